@@ -1,0 +1,257 @@
+"""Source assembly and kernel compilation.
+
+`kernel(cfg)` returns a launchable `cupy.RawKernel`, compiled once per (source hash, config,
+device) and kept in memory; CuPy's disk cache keeps the binary across processes. CuPy's disk cache
+keys on the source string only, not on the files it `#include`s, so `source(cfg)` inlines every
+kernels_cu header into one string: an edited header can never run a stale binary.
+
+`ptxas_report(cfg, arch)` compiles the same source with NVRTC from cuda-bindings, which needs no GPU
+and no driver, and parses ptxas' resource report: the compile gate (tests/test_compile_gate.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib.resources
+import os
+import re
+import threading
+from pathlib import Path
+
+from .config import DEFAULT_SMEM_BYTES, KernelConfig
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+_lock = threading.Lock()
+
+
+def kernels_dir() -> Path:
+    """kernels_cu/, from a source checkout, an editable install or an installed wheel."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "kernels_cu", here.parent / "kernels_cu"):
+        if (candidate / "params.cuh").is_file():
+            return candidate
+    ref = importlib.resources.files("cuflash").joinpath("kernels_cu")
+    if ref.joinpath("params.cuh").is_file():
+        return Path(str(ref))
+    raise FileNotFoundError("kernels_cu/ not found beside the cuflash package")
+
+
+def _inline(path: Path, seen: set[str]) -> str:
+    """The file's text with each `#include "x.cuh"` replaced by x.cuh's text, once per file."""
+    out = []
+    for line in path.read_text().splitlines(keepends=True):
+        m = _INCLUDE.match(line)
+        if m is None:
+            out.append(line)
+            continue
+        name = m.group(1)
+        if name not in seen:
+            seen.add(name)
+            out.append(f"// ---- begin {name}\n{_inline(path.parent / name, seen)}// ---- end {name}\n")
+    return "".join(out).replace("#pragma once\n", "")
+
+
+@functools.lru_cache(maxsize=None)
+def source_text(filename: str) -> str:
+    """One self-contained translation unit for kernels_cu/<filename>."""
+    return _inline(kernels_dir() / filename, {filename})
+
+
+def source_hash(filename: str) -> str:
+    return hashlib.sha256(source_text(filename).encode()).hexdigest()[:16]
+
+
+def compile_options() -> tuple[str, ...]:
+    """Options shared by the runtime path and the compile gate. CuPy adds -arch for the device."""
+    opts = ["-std=c++17"]
+    if os.environ.get("CUFLASH_LINEINFO"):
+        opts.append("-lineinfo")
+    return tuple(opts)
+
+
+# ------------------------------------------------------------------------------------------------
+# Runtime: CuPy RawModule
+# ------------------------------------------------------------------------------------------------
+
+_modules: dict[tuple, object] = {}
+_kernels: dict[tuple, object] = {}
+
+
+def _device_key():
+    import cupy
+
+    dev = cupy.cuda.Device()
+    return dev.id, dev.compute_capability
+
+
+def module(filename: str, names: tuple[str, ...]):
+    """A cupy.RawModule holding the given template instantiations of kernels_cu/<filename>."""
+    import cupy
+
+    key = (source_hash(filename), names, _device_key())
+    with _lock:
+        mod = _modules.get(key)
+        if mod is None:
+            mod = cupy.RawModule(code=source_text(filename), options=compile_options(), name_expressions=names)
+            mod.compile()
+            _modules[key] = mod
+    return mod
+
+
+def kernel(cfg: KernelConfig):
+    """The launchable kernel for cfg, compiled at its first use on this device."""
+    key = (cfg, _device_key())
+    k = _kernels.get(key)
+    if k is not None:
+        return k
+    mod = module(cfg.source, (cfg.template_name,))
+    k = mod.get_function(cfg.template_name)
+    if cfg.smem_bytes > DEFAULT_SMEM_BYTES:
+        k.max_dynamic_shared_size_bytes = cfg.smem_bytes
+    _kernels[key] = k
+    return k
+
+
+def precompile(configs: list[KernelConfig], jobs: int = 1) -> int:
+    """Compile configs into CuPy's disk cache, `jobs` processes at a time. Returns how many."""
+    if jobs <= 1:
+        for cfg in configs:
+            kernel(cfg)
+        return len(configs)
+    import concurrent.futures
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        list(pool.map(_precompile_one, [dataclasses.astuple(c) for c in configs]))
+    for cfg in configs:  # load into this process from the disk cache
+        kernel(cfg)
+    return len(configs)
+
+
+def _precompile_one(fields: tuple) -> None:
+    kernel(KernelConfig(*fields))
+
+
+# ------------------------------------------------------------------------------------------------
+# Compile gate: NVRTC from cuda-bindings, no GPU needed
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PtxasReport:
+    name: str  # the template name
+    arch: int
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack_bytes: int
+    smem_static: int
+    log: str
+
+
+def _cuda_include_dirs() -> list[str]:
+    """Directories holding cuda_fp16.h: the pip CUDA runtime wheel, else a local toolkit."""
+    dirs = []
+    try:
+        import nvidia
+
+        for base in nvidia.__path__:
+            for sub in ("cu13/include", "cu12/include", "cuda_runtime/include"):
+                p = Path(base) / sub
+                if (p / "cuda_fp16.h").is_file():
+                    dirs.append(str(p))
+    except ImportError:
+        pass
+    for p in (os.environ.get("CUDA_PATH", ""), "/usr/local/cuda"):
+        if p and (Path(p) / "include" / "cuda_fp16.h").is_file():
+            dirs.append(str(Path(p) / "include"))
+    return dirs
+
+
+def _check(result):
+    from cuda.bindings import nvrtc
+
+    err, *rest = result
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"NVRTC: {err}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+def nvrtc_compile(filename: str, names: list[str], arch: int) -> tuple[str, dict[str, str]]:
+    """Compile names from kernels_cu/<filename> to a cubin for sm_<arch>; returns (log, lowered)."""
+    from cuda.bindings import nvrtc
+
+    src = source_text(filename).encode()
+    prog = _check(nvrtc.nvrtcCreateProgram(src, filename.encode(), 0, [], []))
+    try:
+        for n in names:
+            _check(nvrtc.nvrtcAddNameExpression(prog, n.encode()))
+        opts = [*compile_options(), f"-arch=sm_{arch}", "--ptxas-options=-v", "-ftz=true"]
+        opts += [f"-I{d}" for d in _cuda_include_dirs()]
+        err, = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        size = _check(nvrtc.nvrtcGetProgramLogSize(prog))
+        buf = b" " * size
+        _check(nvrtc.nvrtcGetProgramLog(prog, buf))
+        log = buf.decode(errors="replace").rstrip("\x00 ")
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"NVRTC failed to compile {filename} for sm_{arch}:\n{log}")
+        lowered = {n: _check(nvrtc.nvrtcGetLoweredName(prog, n.encode())).decode() for n in names}
+        return log, lowered
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+_FN = re.compile(r"Compiling entry function '(\S+)' for '(sm_\d+a?)'")
+_REG = re.compile(r"Used (\d+) registers")
+_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def ptxas_reports(configs: list[KernelConfig], arch: int) -> list[PtxasReport]:
+    """ptxas resource usage of each config, compiled for sm_<arch> (grouped by source file)."""
+    by_file: dict[str, list[KernelConfig]] = {}
+    for c in configs:
+        by_file.setdefault(c.source, []).append(c)
+    out = []
+    for filename, cfgs in by_file.items():
+        names = [c.template_name for c in cfgs]
+        log, lowered = nvrtc_compile(filename, names, arch)
+        sections = _split_log(log)
+        for n in names:
+            text = sections.get(lowered[n])
+            if text is None:
+                raise RuntimeError(f"no ptxas report for {n} in:\n{log}")
+            out.append(_parse(n, arch, text))
+    return out
+
+
+def _split_log(log: str) -> dict[str, str]:
+    sections: dict[str, str] = {}
+    current = None
+    for line in log.splitlines():
+        m = _FN.search(line)
+        if m:
+            current = m.group(1)
+            sections[current] = ""
+        elif current is not None:
+            sections[current] += line + "\n"
+    return sections
+
+
+def _parse(name: str, arch: int, text: str) -> PtxasReport:
+    reg = _REG.search(text)
+    spill = _SPILL.search(text)
+    smem = _SMEM.search(text)
+    return PtxasReport(
+        name=name,
+        arch=arch,
+        registers=int(reg.group(1)) if reg else 0,
+        stack_bytes=int(spill.group(1)) if spill else 0,
+        spill_stores=int(spill.group(2)) if spill else 0,
+        spill_loads=int(spill.group(3)) if spill else 0,
+        smem_static=int(smem.group(1)) if smem else 0,
+        log=text,
+    )

@@ -1,0 +1,162 @@
+"""Kernel configurations: which compiled kernel serves a call, and the heuristic that picks it.
+
+Pure Python, testable without a GPU. A `KernelConfig` maps one-to-one to a C++ template
+instantiation, e.g. ``cuflash::flash_fwd<__nv_bfloat16, 128, 64, 64, 4, true>``; template arguments
+are what changes the code's shape (dtype, head dim, tiles, warps, causal), and everything else
+travels in the params struct (see kernels_cu/params.cuh).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+# Head dims the kernels are compiled for; a call's head_dim (a multiple of 8) is rounded up to the
+# next one and the kernel pads inside (it never reads past head_dim).
+HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+MAX_HEAD_DIM = HEAD_DIMS[-1]
+
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+TENSOR_CORE_DTYPES = ("float16", "bfloat16")
+
+CTYPES = {
+    "float16": "__half",
+    "bfloat16": "__nv_bfloat16",
+    "float32": "float",
+    "float64": "double",
+}
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+# Shared memory a block may take on the devices we target (sm_80: 163 KiB, sm_90: 227 KiB opt-in).
+SMEM_LIMIT = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
+DEFAULT_SMEM_BYTES = 48 * 1024  # above this a launch must opt in (max_dynamic_shared_size_bytes)
+
+# kernel name -> source file under kernels_cu/
+SOURCES = {
+    "flash_fwd": "flash_fwd.cu",
+    "flash_bwd_preprocess": "flash_bwd.cu",
+    "flash_bwd_dkdv": "flash_bwd.cu",
+    "flash_bwd_dq": "flash_bwd.cu",
+    "flash_fwd_simt": "flash_fwd_simt.cu",
+    "flash_bwd_dkdv_simt": "flash_bwd_simt.cu",
+    "flash_bwd_dq_simt": "flash_bwd_simt.cu",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    kernel: str  # a key of SOURCES
+    dtype: str  # a member of DTYPES
+    head_dim: int  # compiled head dim (a member of HEAD_DIMS)
+    block_m: int  # query rows per tile
+    block_n: int  # key rows per tile
+    warps: int
+    causal: bool
+
+    @property
+    def source(self) -> str:
+        return SOURCES[self.kernel]
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def template_name(self) -> str:
+        causal = "true" if self.causal else "false"
+        return (
+            f"cuflash::{self.kernel}<{CTYPES[self.dtype]}, {self.head_dim}, {self.block_m}, "
+            f"{self.block_n}, {self.warps}, {causal}>"
+        )
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory the kernel needs; the kernels check it at entry (a trap if short)."""
+        return smem_bytes(self)
+
+
+# One row per (kernel, head_dim): (block_m, block_n, warps). Chosen so that every entry compiles
+# without spills for sm_80 and sm_90 (tests/test_compile_gate.py checks it from the ptxas report).
+_TILES: dict[str, dict[int, tuple[int, int, int]]] = {
+    "flash_fwd": {32: (64, 64, 4), 64: (64, 64, 4), 96: (64, 64, 4), 128: (64, 64, 4),
+                  160: (64, 32, 4), 192: (64, 32, 4), 224: (64, 32, 4), 256: (64, 32, 4)},
+    "flash_bwd_preprocess": {d: (64, 64, 4) for d in HEAD_DIMS},
+    "flash_bwd_dkdv": {32: (64, 64, 4), 64: (64, 64, 4), 96: (64, 64, 4), 128: (64, 64, 4),
+                       160: (64, 32, 4), 192: (64, 32, 4), 224: (64, 32, 4), 256: (64, 32, 4)},
+    "flash_bwd_dq": {32: (64, 64, 4), 64: (64, 64, 4), 96: (64, 64, 4), 128: (64, 64, 4),
+                     160: (64, 32, 4), 192: (64, 32, 4), 224: (64, 32, 4), 256: (64, 32, 4)},
+    "flash_fwd_simt": {d: (64, 32, 4) for d in HEAD_DIMS},
+    "flash_bwd_dkdv_simt": {d: (32, 32, 4) for d in HEAD_DIMS},
+    "flash_bwd_dq_simt": {d: (32, 32, 4) for d in HEAD_DIMS},
+}
+
+
+def smem_bytes(cfg: KernelConfig) -> int:
+    """Shared-memory layout of each kernel, in bytes (documented beside each kernel too)."""
+    e = ITEMSIZE[cfg.dtype]
+    d, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
+    pad = 8 if cfg.dtype in TENSOR_CORE_DTYPES else 1  # row padding (elements) against bank conflicts
+    row = d + pad
+    if cfg.kernel == "flash_fwd":  # Q tile, K tile, V tile
+        return (bm + 2 * bn) * row * e
+    if cfg.kernel == "flash_bwd_preprocess":
+        return 0
+    if cfg.kernel == "flash_bwd_dkdv":  # K, V tiles; Q, dO tiles; P/dS tile; LSE and D rows
+        return (2 * bn + 2 * bm) * row * e + bm * (bn + pad) * e + 2 * bm * 4
+    if cfg.kernel == "flash_bwd_dq":  # Q, dO tiles; K, V tiles; dS tile
+        return (2 * bm + 2 * bn) * row * e + bm * (bn + pad) * e
+    if cfg.kernel == "flash_fwd_simt":  # Q tile, K/V tile (shared), S/P tile
+        return (bm * row + bn * row + bm * (bn + 1)) * e
+    if cfg.kernel in ("flash_bwd_dkdv_simt", "flash_bwd_dq_simt"):  # Q, dO, K, V tiles; P, dS tiles
+        return (2 * bm * row + 2 * bn * row + 2 * bm * (bn + 1)) * e + 2 * bm * e
+    raise ValueError(f"unknown kernel {cfg.kernel!r}")
+
+
+def compiled_head_dim(head_dim: int) -> int:
+    for d in HEAD_DIMS:
+        if head_dim <= d:
+            return d
+    raise ValueError(f"head_dim must be <= {MAX_HEAD_DIM}, got {head_dim}")
+
+
+def _make(kernel: str, dtype: str, head_dim: int, causal: bool) -> KernelConfig:
+    d = compiled_head_dim(head_dim)
+    bm, bn, warps = _TILES[kernel][d]
+    return KernelConfig(kernel, dtype, d, bm, bn, warps, bool(causal))
+
+
+def dtype_name(dtype) -> str:
+    """Canonical dtype name; ml_dtypes.bfloat16 and NumPy dtypes alike."""
+    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if name not in DTYPES:
+        raise TypeError(f"dtype must be one of {', '.join(DTYPES)}, got {name}")
+    return name
+
+
+def choose_forward(dtype, head_dim: int, causal: bool) -> KernelConfig:
+    dt = dtype_name(dtype)
+    kernel = "flash_fwd" if dt in TENSOR_CORE_DTYPES else "flash_fwd_simt"
+    return _make(kernel, dt, head_dim, causal)
+
+
+def choose_backward(dtype, head_dim: int, causal: bool) -> tuple[KernelConfig, KernelConfig, KernelConfig]:
+    """(preprocess, dK/dV, dQ) configs for one backward call."""
+    dt = dtype_name(dtype)
+    suffix = "" if dt in TENSOR_CORE_DTYPES else "_simt"
+    return (
+        _make("flash_bwd_preprocess", dt, head_dim, causal),
+        _make("flash_bwd_dkdv" + suffix, dt, head_dim, causal),
+        _make("flash_bwd_dq" + suffix, dt, head_dim, causal),
+    )
+
+
+def all_configs() -> list[KernelConfig]:
+    """Every config the heuristics can return: what the compile gate and `cuflash compile` build."""
+    out: list[KernelConfig] = []
+    for dt in DTYPES:
+        for d in HEAD_DIMS:
+            for causal in (False, True):
+                cfgs = [choose_forward(dt, d, causal), *choose_backward(dt, d, causal)]
+                out.extend(c for c in cfgs if c not in out)
+    return out

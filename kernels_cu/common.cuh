@@ -1,0 +1,62 @@
+// Element types, conversions, small math helpers shared by every kernel.
+// Only cuda_fp16.h and cuda_bf16.h are included: they ship in every CUDA runtime wheel.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace cuflash {
+
+// Accumulator type per storage type: fp32 for half/bf16/float, fp64 for double.
+template <typename T> struct AccType { using type = float; };
+template <> struct AccType<double> { using type = double; };
+template <typename T> using acc_t = typename AccType<T>::type;
+
+__device__ __forceinline__ float to_acc(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_acc(float x) { return x; }
+__device__ __forceinline__ double to_acc(double x) { return x; }
+
+template <typename T> __device__ __forceinline__ T from_acc(float x);
+template <> __device__ __forceinline__ __half from_acc<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ float from_acc<float>(float x) { return x; }
+template <typename T> __device__ __forceinline__ T from_acc(double x);
+template <> __device__ __forceinline__ double from_acc<double>(double x) { return x; }
+
+// Two accumulator values packed into one 32-bit register of the 16-bit type (mma.sync A/B operands).
+template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float hi);
+template <> __device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
+}
+template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
+}
+
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+__device__ __forceinline__ float fast_exp2(float x) { return exp2f(x); }
+__device__ __forceinline__ double fast_exp2(double x) { return exp2(x); }
+__device__ __forceinline__ float log_acc(float x) { return logf(x); }
+__device__ __forceinline__ double log_acc(double x) { return log(x); }
+
+template <typename A> __device__ __forceinline__ A neg_inf();
+template <> __device__ __forceinline__ float neg_inf<float>() { return -__int_as_float(0x7f800000); }
+template <> __device__ __forceinline__ double neg_inf<double>() { return -__longlong_as_double(0x7ff0000000000000LL); }
+
+// Reductions over the `width` consecutive lanes that share one row of an mma.sync fragment.
+template <int width, typename A>
+__device__ __forceinline__ A warp_allreduce_max(A x) {
+#pragma unroll
+    for (int offset = width / 2; offset > 0; offset /= 2) x = fmax(x, __shfl_xor_sync(0xffffffffu, x, offset));
+    return x;
+}
+template <int width, typename A>
+__device__ __forceinline__ A warp_allreduce_sum(A x) {
+#pragma unroll
+    for (int offset = width / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+    return x;
+}
+
+}  // namespace cuflash

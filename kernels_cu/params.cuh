@@ -1,0 +1,58 @@
+// Runtime arguments of every kernel, passed by value as `const __grid_constant__ FwdParams p`.
+// cuflash/_params.py mirrors these structs byte for byte (NumPy structured dtypes with align=True):
+// change both together; tests/test_params.py compares the two layouts.
+//
+// Strides are int64 and counted in elements, so any layout whose last dimension is contiguous runs
+// without a copy and no index can overflow 32 bits. Tensors are indexed [batch, row, head, dim] for
+// q/k/v/o (and their gradients) and [batch, head, row] for lse and d.
+#pragma once
+
+namespace cuflash {
+
+struct FwdParams {
+    const void* q;
+    const void* k;
+    const void* v;
+    void* o;
+    void* lse;  // acc_t (float, or double for fp64 inputs), [batch, head, row]
+
+    long long q_batch_stride, q_row_stride, q_head_stride;
+    long long k_batch_stride, k_row_stride, k_head_stride;
+    long long v_batch_stride, v_row_stride, v_head_stride;
+    long long o_batch_stride, o_row_stride, o_head_stride;
+    long long lse_batch_stride, lse_head_stride;  // lse row stride is 1
+
+    double softmax_scale;  // scale applied to Q K^T
+    double scale_log2;     // softmax_scale * log2(e): the kernels use exp2
+
+    int batch;
+    int nheads;
+    int nheads_k;          // nheads % nheads_k == 0; query head h reads kv head h / (nheads / nheads_k)
+    int seqlen_q;
+    int seqlen_k;
+    int head_dim;          // actual head dim; the kernel is compiled for kHeadDim >= head_dim
+
+    // Variant fields, reserved for sliding window / softcap; -1 / 0 mean off.
+    int window_left;
+    int window_right;
+    float softcap;
+    int pad0;
+};
+
+struct BwdParams {
+    FwdParams fwd;         // q, k, v, o, lse and their strides, as in the forward call
+
+    const void* dout;
+    void* dq;
+    void* dk;
+    void* dv;
+    void* dsum;            // acc_t, [batch, head, row]: D = rowsum(dO * O), written by preprocess
+
+    long long do_batch_stride, do_row_stride, do_head_stride;
+    long long dq_batch_stride, dq_row_stride, dq_head_stride;
+    long long dk_batch_stride, dk_row_stride, dk_head_stride;
+    long long dv_batch_stride, dv_row_stride, dv_head_stride;
+    long long dsum_batch_stride, dsum_head_stride;  // dsum row stride is 1
+};
+
+}  // namespace cuflash
