@@ -1,2 +1,12 @@
-"""cuflash: exact FlashAttention for NumPy/CuPy code, CUDA kernels JIT-compiled through CuPy."""
+"""cuflash: exact FlashAttention for NumPy/CuPy code, CUDA kernels JIT-compiled through CuPy.
+
+    >>> import numpy as np, cuflash
+    >>> q = k = v = np.random.default_rng(0).standard_normal((1, 128, 4, 64), dtype=np.float32)
+    >>> o = cuflash.flash_attn(q, k, v, causal=True)   # NumPy in, NumPy out
+"""
+
 __version__ = "0.1.0"
+
+from .api import flash_attn, flash_attn_backward, flash_attn_forward  # noqa: E402
+
+__all__ = ["flash_attn", "flash_attn_forward", "flash_attn_backward", "__version__"]

@@ -113,6 +113,10 @@ def smem_bytes(cfg: KernelConfig) -> int:
     raise ValueError(f"unknown kernel {cfg.kernel!r}")
 
 
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def compiled_head_dim(head_dim: int) -> int:
     for d in HEAD_DIMS:
         if head_dim <= d:
@@ -145,7 +149,7 @@ def choose_backward(dtype, head_dim: int, causal: bool) -> tuple[KernelConfig, K
     dt = dtype_name(dtype)
     suffix = "" if dt in TENSOR_CORE_DTYPES else "_simt"
     return (
-        _make("flash_bwd_preprocess", dt, head_dim, causal),
+        _make("flash_bwd_preprocess", dt, head_dim, False),  # D = rowsum(dO * O) knows no mask
         _make("flash_bwd_dkdv" + suffix, dt, head_dim, causal),
         _make("flash_bwd_dq" + suffix, dt, head_dim, causal),
     )

@@ -1,0 +1,139 @@
+"""Input validation: one function per rule, one clear message per failure.
+
+Each message names the argument, what was expected and what was given. Dtype problems raise
+TypeError; everything else (shapes, layouts, devices, values) raises ValueError.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .config import DTYPES, MAX_HEAD_DIM, dtype_name
+
+LAYOUTS = ("bshd", "bhsd")
+BACKENDS = ("auto", "cuda", "numba", "numpy")
+
+
+def check_dtype(name: str, x) -> str:
+    try:
+        return dtype_name(x.dtype)
+    except TypeError:
+        raise TypeError(f"{name}: dtype must be one of {', '.join(DTYPES)}, got {x.dtype}") from None
+
+
+def check_same_dtype(expected: str, **arrays) -> None:
+    for name, x in arrays.items():
+        got = check_dtype(name, x)
+        if got != expected:
+            raise TypeError(f"{name}: dtype must match q ({expected}), got {got}")
+
+
+def check_ndim(name: str, x, layout: str) -> None:
+    if x.ndim != 4:
+        raise ValueError(f"{name}: expected a 4-D array ({_axes(layout)}), got {x.ndim}-D with shape {tuple(x.shape)}")
+
+
+def _axes(layout: str) -> str:
+    return "batch, seqlen, nheads, head_dim" if layout == "bshd" else "batch, nheads, seqlen, head_dim"
+
+
+def check_layout(layout) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+
+
+def check_backend(backend) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+
+
+def check_qkv(q, k, v) -> None:
+    """q (b, sq, h, d), k and v (b, sk, hk, d), in the bshd view."""
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"k and v: shapes must be equal, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    b, _, h, d = q.shape
+    kb, _, hk, kd = k.shape
+    if kb != b:
+        raise ValueError(f"k: batch must equal q's ({b}), got {kb}")
+    if kd != d:
+        raise ValueError(f"k: head_dim must equal q's ({d}), got {kd}")
+    if hk == 0 or h % hk != 0:
+        raise ValueError(f"k: nheads_k must divide q's nheads ({h}), got nheads_k={hk}")
+    check_head_dim(d)
+
+
+def check_head_dim(d: int) -> None:
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be <= {MAX_HEAD_DIM}, got {d}")
+    if d <= 0 or d % 8 != 0:
+        raise ValueError(f"head_dim must be a positive multiple of 8 (pad q, k, v to one), got {d}")
+
+
+def check_softmax_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    try:
+        s = float(scale)
+    except (TypeError, ValueError):
+        raise ValueError(f"softmax_scale: expected a finite positive number, got {scale!r}") from None
+    if not math.isfinite(s) or s <= 0.0:
+        raise ValueError(f"softmax_scale: expected a finite positive number, got {scale!r}")
+    return s
+
+
+def check_like(name: str, x, shape: tuple, dtype: str) -> None:
+    """An input that must have an exact shape and dtype (dout, o in the backward)."""
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(x.shape)}")
+    got = check_dtype(name, x)
+    if got != dtype:
+        raise TypeError(f"{name}: dtype must be {dtype}, got {got}")
+
+
+def check_lse(lse, shape: tuple, dtype: str) -> None:
+    if tuple(lse.shape) != tuple(shape):
+        raise ValueError(f"lse: expected shape {tuple(shape)} (batch, nheads, seqlen_q), got {tuple(lse.shape)}")
+    got = check_dtype("lse", lse)
+    if got != dtype:
+        raise TypeError(f"lse: dtype must be {dtype}, got {got}")
+
+
+def check_out(out, shape: tuple, dtype: str, inputs: dict) -> None:
+    """`out=`: exact shape and dtype, unit stride in the last dimension, no overlap with any input."""
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"out: expected shape {tuple(shape)}, got {tuple(out.shape)}")
+    try:
+        got = dtype_name(out.dtype)
+    except TypeError:
+        got = str(out.dtype)
+    if got != dtype:
+        raise ValueError(f"out: dtype must be {dtype} (q's), got {got}")
+    if out.shape[-1] > 1 and out.strides[-1] != out.itemsize:
+        raise ValueError(f"out: the last dimension must be contiguous (stride {out.itemsize} bytes), got {out.strides[-1]}")
+    for name, x in inputs.items():
+        if _overlaps(out, x):
+            raise ValueError(f"out: must not share memory with {name}")
+
+
+def _extent(x) -> tuple[int, int]:
+    """[first, last] byte address an array can touch."""
+    if hasattr(x, "data") and hasattr(x.data, "ptr"):  # CuPy
+        base = int(x.data.ptr)
+    else:  # NumPy
+        base = int(x.__array_interface__["data"][0])
+    lo = base + sum((n - 1) * s for n, s in zip(x.shape, x.strides) if s < 0 and n > 0)
+    hi = base + sum((n - 1) * s for n, s in zip(x.shape, x.strides) if s > 0 and n > 0) + x.itemsize
+    return lo, hi
+
+
+def _overlaps(a, b) -> bool:
+    if a.size == 0 or b.size == 0 or type(a) is not type(b):
+        return False
+    (alo, ahi), (blo, bhi) = _extent(a), _extent(b)
+    return alo < bhi and blo < ahi
+
+
+def check_batch(batch: int, limit: int = 65535) -> None:
+    """The CUDA grid's z dimension carries the batch."""
+    if batch > limit:
+        raise ValueError(f"q: batch must be <= {limit} for the CUDA kernels, got {batch}")

@@ -1,0 +1,168 @@
+"""Any array in, the same kind out.
+
+NumPy arrays are used as they are by the CPU backends and copied to the GPU for the device ones;
+CuPy arrays are used as they are; any other DLPack producer (torch, JAX, ...) is imported zero-copy
+with `cupy.from_dlpack` (device) or `numpy.from_dlpack` (host), and the results are handed back
+through the producer's own `from_dlpack`, so a torch tensor in gives a torch tensor out.
+
+Streams: DLPack's stream handshake orders the import and export against the producer's stream. For
+torch, the call runs on torch's current stream itself (an ExternalStream), which needs no handshake
+and also avoids torch refusing CuPy's per-thread default stream value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+
+import numpy as np
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_status() -> tuple[bool, str]:
+    """(a CUDA GPU is usable through CuPy, why not)."""
+    try:
+        import cupy
+    except Exception as e:  # ImportError, or a broken CUDA install
+        return False, f"CuPy is not importable ({type(e).__name__}: {e}); install cuflash[cuda12] or cuflash[cuda13]"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        return False, f"no CUDA driver or device ({type(e).__name__}: {e})"
+    if n == 0:
+        return False, "no CUDA device visible"
+    return True, ""
+
+
+def _module_name(x) -> str:
+    return type(x).__module__.split(".")[0]
+
+
+def is_numpy(x) -> bool:
+    return isinstance(x, np.ndarray)
+
+
+def is_cupy(x) -> bool:
+    return _module_name(x) == "cupy"
+
+
+def is_torch(x) -> bool:
+    return _module_name(x) == "torch"
+
+
+@dataclasses.dataclass
+class Caller:
+    """What the caller handed in: how to give results back, and the stream to run on."""
+
+    kind: str  # "numpy" | "cupy" | "dlpack"
+    namespace: object = None  # the producer's array namespace, for "dlpack"
+    device_id: int | None = None  # CUDA device of device arrays
+    stream: object = None  # a cupy stream to run on (torch's current stream), or None
+
+    def stream_context(self):
+        return self.stream if self.stream is not None else contextlib.nullcontext()
+
+
+def _is_device_dlpack(x) -> bool:
+    dev_type, _ = x.__dlpack_device__()
+    return int(dev_type) in (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
+
+
+def classify(x) -> Caller:
+    """How to hand results back to the owner of `x` (q)."""
+    if is_numpy(x):
+        return Caller("numpy")
+    if is_cupy(x):
+        return Caller("cupy", device_id=x.device.id)
+    if not hasattr(x, "__dlpack__"):
+        raise TypeError(f"q: expected a NumPy or CuPy array or a DLPack producer (torch, JAX...), got {type(x).__name__}")
+    from array_api_compat import array_namespace
+
+    ns = array_namespace(x)
+    if _is_device_dlpack(x):
+        import cupy
+
+        device_id = int(x.__dlpack_device__()[1])
+        stream = None
+        if is_torch(x):
+            import torch
+
+            stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device_id).cuda_stream, device_id)
+        return Caller("dlpack", ns, device_id, stream)
+    return Caller("dlpack", ns)
+
+
+def to_working(name: str, x, on_device: bool):
+    """`x` as a NumPy (host backends) or CuPy (device backends) array, zero-copy where possible."""
+    if x is None:
+        return None
+    if is_numpy(x):
+        if not on_device:
+            return x
+        import cupy
+
+        if x.dtype.name == "bfloat16":  # host-to-device copy of the raw bits
+            return cupy.asarray(x.view(np.uint16)).view(x.dtype)
+        return cupy.asarray(x)
+    if is_cupy(x):
+        if on_device:
+            return x
+        return to_host(x)
+    if not hasattr(x, "__dlpack__"):
+        raise TypeError(f"{name}: expected a NumPy or CuPy array or a DLPack producer, got {type(x).__name__}")
+    if _is_device_dlpack(x):
+        import cupy
+
+        arr = cupy.from_dlpack(x)
+        return arr if on_device else to_host(arr)
+    arr = np.from_dlpack(x)
+    if on_device:
+        return to_working(name, arr, True)
+    return arr
+
+
+def to_host(x):
+    import cupy
+
+    if x.dtype.name == "bfloat16":
+        return cupy.asnumpy(x.view(cupy.uint16)).view(x.dtype)
+    return cupy.asnumpy(x)
+
+
+def check_devices(**arrays) -> None:
+    """Every array on the same device (all host, or all on one GPU)."""
+    where = {}
+    for name, x in arrays.items():
+        if x is None:
+            continue
+        if is_numpy(x):
+            where[name] = "host"
+        elif is_cupy(x):
+            where[name] = f"cuda:{x.device.id}"
+        elif hasattr(x, "__dlpack_device__"):
+            t, i = x.__dlpack_device__()
+            where[name] = f"cuda:{int(i)}" if int(t) in (2, 3, 13) else "host"
+        else:
+            where[name] = "host"
+    places = set(where.values())
+    if len(places) > 1:
+        desc = ", ".join(f"{n} on {w}" for n, w in where.items())
+        raise ValueError(f"arrays are on different devices: {desc}")
+
+
+def from_working(y, caller: Caller):
+    """A result array (NumPy or CuPy) as the caller's kind."""
+    if y is None:
+        return None
+    if caller.kind == "numpy":
+        return y if is_numpy(y) else to_host(y)
+    if caller.kind == "cupy":
+        if is_numpy(y):
+            return to_working("result", y, True)
+        return y
+    if caller.namespace is not None and hasattr(caller.namespace, "from_dlpack"):
+        if caller.device_id is not None and is_numpy(y):
+            y = to_working("result", y, True)
+        return caller.namespace.from_dlpack(y)
+    return y

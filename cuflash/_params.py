@@ -1,0 +1,91 @@
+"""NumPy structured dtypes that mirror kernels_cu/params.cuh byte for byte.
+
+A kernel takes its params struct by value; CuPy passes a NumPy structured scalar as raw bytes, so
+these dtypes must match the C++ layout exactly (align=True gives C's natural alignment).
+tests/test_params.py checks the layout against the header's field list and sizes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_i64, _f64, _i32, _f32, _ptr = np.int64, np.float64, np.int32, np.float32, np.uint64
+
+
+def _strides(name: str, dims=("batch", "row", "head")) -> list[tuple[str, type]]:
+    return [(f"{name}_{d}_stride", _i64) for d in dims]
+
+
+FWD_PARAMS = np.dtype(
+    [
+        ("q", _ptr), ("k", _ptr), ("v", _ptr), ("o", _ptr), ("lse", _ptr),
+        *_strides("q"), *_strides("k"), *_strides("v"), *_strides("o"),
+        *_strides("lse", ("batch", "head")),
+        ("softmax_scale", _f64), ("scale_log2", _f64),
+        ("batch", _i32), ("nheads", _i32), ("nheads_k", _i32),
+        ("seqlen_q", _i32), ("seqlen_k", _i32), ("head_dim", _i32),
+        ("window_left", _i32), ("window_right", _i32), ("softcap", _f32), ("pad0", _i32),
+    ],
+    align=True,
+)
+
+BWD_PARAMS = np.dtype(
+    [
+        ("fwd", FWD_PARAMS),
+        ("dout", _ptr), ("dq", _ptr), ("dk", _ptr), ("dv", _ptr), ("dsum", _ptr),
+        *_strides("do"), *_strides("dq"), *_strides("dk"), *_strides("dv"),
+        *_strides("dsum", ("batch", "head")),
+    ],
+    align=True,
+)
+
+LOG2E = 1.4426950408889634
+
+
+def _ptr_of(a) -> int:
+    return int(a.data.ptr) if a is not None and a.size else 0
+
+
+def _elem_strides(a) -> tuple[int, ...]:
+    return tuple(s // a.itemsize for s in a.strides)
+
+
+def _set_bshd(p, name: str, a) -> None:
+    sb, sr, sh, _ = _elem_strides(a)
+    p[f"{name}_batch_stride"], p[f"{name}_row_stride"], p[f"{name}_head_stride"] = sb, sr, sh
+
+
+def _set_bhs(p, name: str, a) -> None:
+    sb, sh, _ = _elem_strides(a)
+    p[f"{name}_batch_stride"], p[f"{name}_head_stride"] = sb, sh
+
+
+def fwd_params(q, k, v, o, lse, softmax_scale: float):
+    """Pack a forward call. q/k/v/o are CuPy (batch, seqlen, heads, head_dim) views, lse (b, h, s)."""
+    p = np.zeros((), dtype=FWD_PARAMS)
+    _fill_fwd(p, q, k, v, o, lse, softmax_scale)
+    return p
+
+
+def _fill_fwd(p, q, k, v, o, lse, softmax_scale: float) -> None:
+    p["q"], p["k"], p["v"], p["o"], p["lse"] = (_ptr_of(a) for a in (q, k, v, o, lse))
+    for name, a in (("q", q), ("k", k), ("v", v), ("o", o)):
+        _set_bshd(p, name, a)
+    _set_bhs(p, "lse", lse)
+    p["softmax_scale"] = softmax_scale
+    p["scale_log2"] = softmax_scale * LOG2E
+    b, sq, h, d = q.shape
+    p["batch"], p["nheads"], p["nheads_k"] = b, h, k.shape[2]
+    p["seqlen_q"], p["seqlen_k"], p["head_dim"] = sq, k.shape[1], d
+    p["window_left"], p["window_right"], p["softcap"] = -1, -1, 0.0
+
+
+def bwd_params(do, q, k, v, o, lse, dq, dk, dv, dsum, softmax_scale: float):
+    """Pack a backward call; dsum (b, h, s) receives D = rowsum(dO * O)."""
+    p = np.zeros((), dtype=BWD_PARAMS)
+    _fill_fwd(p["fwd"], q, k, v, o, lse, softmax_scale)
+    p["dout"], p["dq"], p["dk"], p["dv"], p["dsum"] = (_ptr_of(a) for a in (do, dq, dk, dv, dsum))
+    for name, a in (("do", do), ("dq", dq), ("dk", dk), ("dv", dv)):
+        _set_bshd(p, name, a)
+    _set_bhs(p, "dsum", dsum)
+    return p

@@ -1,0 +1,1 @@
+"""Backends: cuda (RawModule kernels), numba (the prototypes), numpy (tiled CPU). Same interface each."""

@@ -1,0 +1,277 @@
+"""Tiled FlashAttention on the CPU: the kernels' algorithm, written with NumPy.
+
+This is the executable specification of kernels_cu/flash_fwd.cu and flash_bwd.cu: the same tiles
+(block_m query rows x block_n key rows), the same online softmax in exp2 units, the same skipping of
+tiles above the causal diagonal, the same backward split (preprocess, dK/dV per key block, dQ per
+query block), and the same numbered step comments. What a CUDA thread block does for one
+(m_block, head, batch) is done here for one m_block and every (batch, head) at once: arrays are
+grouped as (batch, nheads_k, group, seqlen, head_dim) so that a query head and its kv head meet by
+broadcasting, never by copying K or V per query head. Only tiles are looped over, and no more than
+one block_m x block_n tile of scores per (batch, head) exists at a time.
+
+Accumulation is in float64 for float64 inputs and float32 for float32 / float16 / bfloat16 inputs
+(acc_t in kernels_cu/common.cuh). Tiles are sliced to the sequence, so the last tile of a sequence
+is simply shorter; the mask rule is that of kernels_cu/mask.cuh.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+BLOCK_M = 64
+BLOCK_N = 64
+LOG2E = math.log2(math.e)
+
+
+def available() -> tuple[bool, str]:
+    return True, ""
+
+
+def _acc_dtype(dtype) -> type:
+    return np.float64 if np.dtype(dtype) == np.float64 else np.float32
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --- kernels_cu/mask.cuh, mirrored -------------------------------------------------------------------
+
+
+def _col_limit(rows, seqlen_q: int, seqlen_k: int, causal: bool):
+    """Largest visible key column + 1 for each query row (<= 0: the row sees no key)."""
+    if causal:
+        return np.minimum(seqlen_k, rows + 1 + seqlen_k - seqlen_q)
+    return np.full_like(rows, seqlen_k)
+
+
+def _n_block_max(m_block, block_m, block_n, seqlen_q, seqlen_k, causal) -> int:
+    """Key blocks query block m_block must visit; causal skips those wholly above the diagonal."""
+    last_row = min((m_block + 1) * block_m, seqlen_q) - 1
+    limit = int(_col_limit(np.int64(last_row), seqlen_q, seqlen_k, causal))
+    return _ceil_div(max(limit, 0), block_n)
+
+
+def _m_block_min(n_block, block_m, block_n, seqlen_q, seqlen_k, causal) -> int:
+    """First query block that sees any column of key block n_block."""
+    if not causal:
+        return 0
+    first_row = max(n_block * block_n - (seqlen_k - seqlen_q), 0)
+    return first_row // block_m
+
+
+def _block_needs_mask(m_block, n_block, block_m, block_n, seqlen_q, seqlen_k, causal) -> bool:
+    if (n_block + 1) * block_n > seqlen_k:
+        return True
+    if not causal:
+        return False
+    return (n_block + 1) * block_n - 1 > m_block * block_m + seqlen_k - seqlen_q
+
+
+def _mask(acc_s, m_block, n_block, block_m, block_n, seqlen_q, seqlen_k, causal):
+    """Set invalid (row, col) scores of one tile to -inf."""
+    rows = m_block * block_m + np.arange(acc_s.shape[-2])
+    cols = n_block * block_n + np.arange(acc_s.shape[-1])
+    limit = _col_limit(rows, seqlen_q, seqlen_k, causal)
+    return np.where(cols[None, :] < limit[:, None], acc_s, -np.inf)
+
+
+# --- layout ------------------------------------------------------------------------------------------
+
+
+def _grouped(x, nheads_k: int, acc) -> np.ndarray:
+    """(B, S, H, D), any strides -> contiguous (B, Hk, H // Hk, S, D) in the accumulator dtype.
+
+    Query head h = hk * G + g uses kv head hk = h // G (the contract's GQA rule); k and v get G = 1.
+    """
+    b, s, h, d = x.shape
+    x = np.ascontiguousarray(x.transpose(0, 2, 1, 3), dtype=acc)
+    return x.reshape(b, nheads_k, h // nheads_k, s, d)
+
+
+def _bshd(x, dtype) -> np.ndarray:
+    """(B, Hk, G, S, D) -> contiguous (B, S, Hk * G, D) in dtype."""
+    b, hk, g, s, d = x.shape
+    return x.reshape(b, hk * g, s, d).transpose(0, 2, 1, 3).astype(dtype, order="C")
+
+
+# --- forward -----------------------------------------------------------------------------------------
+
+
+def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, lse=None, block_m=BLOCK_M, block_n=BLOCK_N):
+    """(o, lse): o like q (input dtype), lse (batch, nheads, seqlen_q) in the accumulator dtype.
+
+    With `out` / `lse` given (any strides), the results are written there and those are returned."""
+    lse_out = lse
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    acc = _acc_dtype(q.dtype)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    scale_log2 = softmax_scale * LOG2E
+
+    qg = _grouped(q, nheads_k, acc)  # (B, Hk, G, Sq, D)
+    kg = _grouped(k, nheads_k, acc)  # (B, Hk, 1, Sk, D)
+    vg = _grouped(v, nheads_k, acc)
+    o = np.empty(qg.shape, dtype=acc)
+    lse = np.empty(qg.shape[:-1], dtype=acc)
+
+    # [1] Block coordinates: m_block, head, batch; causal skips key blocks above the diagonal
+    for m_block in range(_ceil_div(seqlen_q, block_m)):
+        m0, m1 = m_block * block_m, min((m_block + 1) * block_m, seqlen_q)
+        n_block_max = _n_block_max(m_block, block_m, block_n, seqlen_q, seqlen_k, causal)
+
+        # [2] Load the Q tile
+        q_tile = qg[..., m0:m1, :]
+        row_max = np.full(q_tile.shape[:-1] + (1,), -np.inf, dtype=acc)
+        row_sum = np.zeros(q_tile.shape[:-1] + (1,), dtype=acc)
+        acc_o = np.zeros(q_tile.shape, dtype=acc)
+
+        # Last key block first, as flash_fwd.cu does: the tiles that need masking come first.
+        for n_block in range(n_block_max - 1, -1, -1):
+            n0, n1 = n_block * block_n, min((n_block + 1) * block_n, seqlen_k)
+            k_tile, v_tile = kg[..., n0:n1, :], vg[..., n0:n1, :]
+
+            # [3] S = Q K^T
+            acc_s = q_tile @ k_tile.swapaxes(-1, -2)  # (B, Hk, G, bm, bn)
+
+            # [4] Mask the sequence tail and the causal diagonal
+            if _block_needs_mask(m_block, n_block, block_m, block_n, seqlen_q, seqlen_k, causal):
+                acc_s = _mask(acc_s, m_block, n_block, block_m, block_n, seqlen_q, seqlen_k, causal)
+
+            # [5] Online softmax: update row_max, rescale acc_o and row_sum, P = exp2(S * scale_log2 - row_max * scale_log2)
+            row_max_new = np.maximum(row_max, acc_s.max(axis=-1, keepdims=True))
+            # A row that has seen no visible key keeps row_max = -inf: subtract 0 so that exp2
+            # gives 0 instead of exp2(-inf + inf) = NaN.
+            max_scaled = np.where(row_max_new == -np.inf, 0.0, row_max_new * scale_log2).astype(acc)
+            rescale = np.exp2(row_max * scale_log2 - max_scaled)
+            p = np.exp2(acc_s * scale_log2 - max_scaled)
+            row_sum = row_sum * rescale + p.sum(axis=-1, keepdims=True)
+            acc_o *= rescale
+            row_max = row_max_new
+
+            # [6] O += P V
+            acc_o += p @ v_tile
+
+        # [7] Finalize: O /= row_sum, LSE = row_max * softmax_scale + log(row_sum); rows that saw no key give O = 0, LSE = -inf
+        seen = row_sum > 0
+        row_sum_safe = np.where(seen, row_sum, 1.0).astype(acc)
+        o_tile = acc_o / row_sum_safe  # acc_o is 0 where no key was seen
+        lse_tile = np.where(seen, row_max * softmax_scale + np.log(row_sum_safe), -np.inf)
+
+        # [8] Store O and LSE
+        o[..., m0:m1, :] = o_tile
+        lse[..., m0:m1] = lse_tile[..., 0]
+
+    return _store(_bshd(o, q.dtype), out), _store(lse.reshape(batch, nheads, seqlen_q), lse_out)
+
+
+# --- backward ----------------------------------------------------------------------------------------
+
+
+def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, deterministic=False,
+             dq=None, dk=None, dv=None, block_m=BLOCK_M, block_n=BLOCK_N):
+    """(dq, dk, dv) in the input dtype, bshd contiguous, or written into the given dq / dk / dv.
+    Always deterministic (no atomics to avoid)."""
+    dq_out, dk_out, dv_out = dq, dk, dv
+    del deterministic
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    group = nheads // nheads_k
+    acc = _acc_dtype(q.dtype)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    scale_log2 = softmax_scale * LOG2E
+
+    qg = _grouped(q, nheads_k, acc)  # (B, Hk, G, Sq, D)
+    kg = _grouped(k, nheads_k, acc)  # (B, Hk, 1, Sk, D)
+    vg = _grouped(v, nheads_k, acc)
+    dog = _grouped(do, nheads_k, acc)
+    og = _grouped(o, nheads_k, acc)
+    lse = np.asarray(lse, dtype=acc).reshape(batch, nheads_k, group, seqlen_q)
+    # LSE in log2 units. A row that saw no key has LSE = -inf: use +inf so that its P comes out
+    # exp2(S * scale_log2 - inf) = 0 rather than exp2(+inf).
+    lse_log2 = np.where(lse == -np.inf, np.inf, lse * LOG2E).astype(acc)
+
+    # [1] Preprocess: D = rowsum(dO * O)
+    dsum = np.sum(dog * og, axis=-1)  # (B, Hk, G, Sq)
+
+    dk = np.empty(kg.shape, dtype=acc)
+    dv = np.empty(vg.shape, dtype=acc)
+    n_m_blocks = _ceil_div(seqlen_q, block_m)
+
+    # [2] dK/dV block coordinates: n_block, kv head, batch; causal skips query blocks above the diagonal
+    for n_block in range(_ceil_div(seqlen_k, block_n)):
+        n0, n1 = n_block * block_n, min((n_block + 1) * block_n, seqlen_k)
+        k_tile, v_tile = kg[..., n0:n1, :], vg[..., n0:n1, :]  # (B, Hk, 1, bn, D)
+        acc_dk = np.zeros((batch, nheads_k, n1 - n0, head_dim), dtype=acc)
+        acc_dv = np.zeros_like(acc_dk)
+
+        for m_block in range(_m_block_min(n_block, block_m, block_n, seqlen_q, seqlen_k, causal), n_m_blocks):
+            m0, m1 = m_block * block_m, min((m_block + 1) * block_m, seqlen_q)
+
+            # [3] Load the Q, dO tiles and LSE, D rows of one query block
+            q_tile, do_tile = qg[..., m0:m1, :], dog[..., m0:m1, :]  # (B, Hk, G, bm, D)
+            lse_rows = lse_log2[..., m0:m1, None]
+            d_rows = dsum[..., m0:m1, None]
+
+            # [4] Recompute S = Q K^T, mask, P = exp2(S * scale_log2 - LSE * log2(e))
+            acc_s = q_tile @ k_tile.swapaxes(-1, -2)
+            if _block_needs_mask(m_block, n_block, block_m, block_n, seqlen_q, seqlen_k, causal):
+                acc_s = _mask(acc_s, m_block, n_block, block_m, block_n, seqlen_q, seqlen_k, causal)
+            p = np.exp2(acc_s * scale_log2 - lse_rows)
+
+            # [5] dV += P^T dO
+            # The sum over axis 2 is the kernel's loop over the kv head's group of query heads.
+            acc_dv += (p.swapaxes(-1, -2) @ do_tile).sum(axis=2)
+
+            # [6] dP = dO V^T
+            dp = do_tile @ v_tile.swapaxes(-1, -2)
+
+            # [7] dS = P * (dP - D)
+            ds = p * (dp - d_rows)
+
+            # [8] dK += dS^T Q
+            acc_dk += (ds.swapaxes(-1, -2) @ q_tile).sum(axis=2)
+
+        # [9] Store dK * softmax_scale and dV
+        dk[:, :, 0, n0:n1, :] = acc_dk * softmax_scale
+        dv[:, :, 0, n0:n1, :] = acc_dv
+
+    dq = np.empty(qg.shape, dtype=acc)
+    # [10] dQ block coordinates: m_block, head, batch; causal skips key blocks above the diagonal
+    for m_block in range(n_m_blocks):
+        m0, m1 = m_block * block_m, min((m_block + 1) * block_m, seqlen_q)
+        q_tile, do_tile = qg[..., m0:m1, :], dog[..., m0:m1, :]
+        lse_rows = lse_log2[..., m0:m1, None]
+        d_rows = dsum[..., m0:m1, None]
+        acc_dq = np.zeros(q_tile.shape, dtype=acc)
+
+        for n_block in range(_n_block_max(m_block, block_m, block_n, seqlen_q, seqlen_k, causal)):
+            n0, n1 = n_block * block_n, min((n_block + 1) * block_n, seqlen_k)
+            k_tile, v_tile = kg[..., n0:n1, :], vg[..., n0:n1, :]
+
+            # [11] Recompute S, P and dS = P * (dO V^T - D) for one key block
+            acc_s = q_tile @ k_tile.swapaxes(-1, -2)
+            if _block_needs_mask(m_block, n_block, block_m, block_n, seqlen_q, seqlen_k, causal):
+                acc_s = _mask(acc_s, m_block, n_block, block_m, block_n, seqlen_q, seqlen_k, causal)
+            p = np.exp2(acc_s * scale_log2 - lse_rows)
+            ds = p * (do_tile @ v_tile.swapaxes(-1, -2) - d_rows)
+
+            # [12] dQ += dS K
+            acc_dq += ds @ k_tile
+
+        # [13] Store dQ * softmax_scale
+        dq[..., m0:m1, :] = acc_dq * softmax_scale
+
+    return _store(_bshd(dq, q.dtype), dq_out), _store(_bshd(dk, k.dtype), dk_out), _store(_bshd(dv, v.dtype), dv_out)
+
+
+def _store(result, dest):
+    """`result`, or `dest` after copying result into it."""
+    if dest is None:
+        return result
+    dest[...] = result
+    return dest

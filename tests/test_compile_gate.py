@@ -1,0 +1,56 @@
+"""Compile gate: every kernel config the heuristics can return compiles with NVRTC (cuda-bindings,
+no GPU or driver needed) for sm_80 and sm_90, with no register spills, no stack frame, and shared
+memory within the device's limit. Grows with the kernels: it covers whatever config.all_configs()
+returns."""
+
+import pytest
+
+from cuflash import _compile, config
+
+pytest.importorskip("cuda.bindings")
+
+ARCHS = (80, 90)
+SOURCES = sorted({c.source for c in config.all_configs()})
+
+
+@pytest.fixture(scope="module")
+def reports():
+    cache = {}
+
+    def get(arch, source):
+        if (arch, source) not in cache:
+            cfgs = [c for c in config.all_configs() if c.source == source]
+            cache[arch, source] = list(zip(cfgs, _compile.ptxas_reports(cfgs, arch)))
+        return cache[arch, source]
+
+    return get
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compiles_without_spills(reports, arch, source):
+    rows = reports(arch, source)
+    assert rows, f"no configs for {source}"
+    bad = [
+        f"{r.name}: {r.spill_stores} B spill stores, {r.spill_loads} B spill loads, {r.stack_bytes} B stack"
+        for _, r in rows
+        if r.spill_stores or r.spill_loads or r.stack_bytes
+    ]
+    assert not bad, f"sm_{arch}:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_shared_memory_within_limit(reports, arch, source):
+    limit = config.SMEM_LIMIT[arch]
+    over = [
+        f"{r.name}: {r.smem_static} static + {c.smem_bytes} dynamic > {limit}"
+        for c, r in reports(arch, source)
+        if r.smem_static + c.smem_bytes > limit
+    ]
+    assert not over, f"sm_{arch}:\n" + "\n".join(over)
+
+
+def test_every_kernel_is_covered():
+    kernels = {c.kernel for c in config.all_configs()}
+    assert kernels == set(config.SOURCES), f"kernels without configs: {set(config.SOURCES) - kernels}"

@@ -1,0 +1,60 @@
+"""KernelConfig and the heuristics: pure Python."""
+
+import dataclasses
+
+import pytest
+
+from cuflash import config
+
+
+def test_template_name():
+    c = config.choose_forward("bfloat16", 128, True)
+    assert c.template_name.startswith("cuflash::flash_fwd<__nv_bfloat16, 128, ")
+    assert c.template_name.endswith(", true>")
+    assert config.choose_forward("float32", 64, False).template_name.startswith("cuflash::flash_fwd_simt<float, 64, ")
+
+
+@pytest.mark.parametrize("d,expected", [(8, 32), (32, 32), (40, 64), (80, 96), (128, 128), (136, 160), (256, 256)])
+def test_head_dim_rounds_up(d, expected):
+    assert config.choose_forward("float16", d, False).head_dim == expected
+
+
+def test_head_dim_too_large():
+    with pytest.raises(ValueError, match="head_dim must be <= 256, got 264"):
+        config.choose_forward("float16", 264, False)
+
+
+def test_unknown_dtype():
+    with pytest.raises(TypeError, match="dtype must be one of"):
+        config.choose_forward("int8", 64, False)
+
+
+def test_frozen_and_hashable():
+    c = config.choose_forward("float16", 64, False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.block_m = 1
+    assert len({c, config.choose_forward("float16", 64, False)}) == 1
+
+
+def test_backward_configs():
+    pre, dkdv, dq = config.choose_backward("float64", 96, True)
+    assert (pre.kernel, dkdv.kernel, dq.kernel) == ("flash_bwd_preprocess", "flash_bwd_dkdv_simt", "flash_bwd_dq_simt")
+    pre, dkdv, dq = config.choose_backward("bfloat16", 96, True)
+    assert (dkdv.kernel, dq.kernel) == ("flash_bwd_dkdv", "flash_bwd_dq")
+    assert dkdv.causal and dq.causal and not pre.causal
+
+
+def test_all_configs_cover_every_choice():
+    cfgs = set(config.all_configs())
+    for dt in config.DTYPES:
+        for d in range(8, 257, 8):
+            for causal in (False, True):
+                assert config.choose_forward(dt, d, causal) in cfgs
+                assert set(config.choose_backward(dt, d, causal)) <= cfgs
+
+
+def test_tiles_are_consistent():
+    for c in config.all_configs():
+        assert c.block_m % 16 == 0 and c.block_n % 16 == 0 or c.kernel.endswith("simt"), c
+        assert c.threads <= 1024 and c.smem_bytes >= 0
+        assert c.smem_bytes <= config.SMEM_LIMIT[80], c
