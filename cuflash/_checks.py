@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from .config import DTYPES, MAX_HEAD_DIM, dtype_name
 
 LAYOUTS = ("bshd", "bhsd")
@@ -108,29 +110,47 @@ def check_out(out, shape: tuple, dtype: str, inputs: dict) -> None:
         got = str(out.dtype)
     if got != dtype:
         raise ValueError(f"out: dtype must be {dtype} (q's), got {got}")
-    if out.shape[-1] > 1 and out.strides[-1] != out.itemsize:
-        raise ValueError(f"out: the last dimension must be contiguous (stride {out.itemsize} bytes), got {out.strides[-1]}")
+    strides, itemsize = _byte_strides(out)
+    if out.shape[-1] > 1 and strides[-1] != itemsize:
+        raise ValueError(f"out: the last dimension must be contiguous (stride {itemsize} bytes), got {strides[-1]}")
     for name, x in inputs.items():
         if _overlaps(out, x):
             raise ValueError(f"out: must not share memory with {name}")
 
 
-def _extent(x) -> tuple[int, int]:
-    """[first, last] byte address an array can touch."""
-    if hasattr(x, "data") and hasattr(x.data, "ptr"):  # CuPy
-        base = int(x.data.ptr)
-    else:  # NumPy
-        base = int(x.__array_interface__["data"][0])
-    lo = base + sum((n - 1) * s for n, s in zip(x.shape, x.strides) if s < 0 and n > 0)
-    hi = base + sum((n - 1) * s for n, s in zip(x.shape, x.strides) if s > 0 and n > 0) + x.itemsize
+def _byte_strides(x) -> tuple[tuple[int, ...], int]:
+    """(strides in bytes, itemsize) of a NumPy / CuPy array or a torch tensor."""
+    if callable(getattr(x, "stride", None)):  # torch: strides in elements
+        size = x.element_size()
+        return tuple(s * size for s in x.stride()), size
+    return tuple(x.strides), x.itemsize
+
+
+def _base(x) -> int | None:
+    if isinstance(x, np.ndarray):
+        return int(x.__array_interface__["data"][0])
+    if callable(getattr(x, "data_ptr", None)):  # torch
+        return int(x.data_ptr())
+    ptr = getattr(getattr(x, "data", None), "ptr", None)  # CuPy
+    return None if ptr is None else int(ptr)
+
+
+def _extent(x) -> tuple[int, int] | None:
+    """[first, last) byte address an array can touch, or None when it cannot be told."""
+    base = _base(x)
+    if base is None:
+        return None
+    strides, itemsize = _byte_strides(x)
+    lo = base + sum((n - 1) * s for n, s in zip(x.shape, strides) if s < 0 and n > 0)
+    hi = base + sum((n - 1) * s for n, s in zip(x.shape, strides) if s > 0 and n > 0) + itemsize
     return lo, hi
 
 
 def _overlaps(a, b) -> bool:
-    if a.size == 0 or b.size == 0 or type(a) is not type(b):
+    if math.prod(a.shape) == 0 or math.prod(b.shape) == 0 or type(a) is not type(b):
         return False
-    (alo, ahi), (blo, bhi) = _extent(a), _extent(b)
-    return alo < bhi and blo < ahi
+    ea, eb = _extent(a), _extent(b)
+    return ea is not None and eb is not None and ea[0] < eb[1] and eb[0] < ea[1]
 
 
 def check_batch(batch: int, limit: int = 65535) -> None:

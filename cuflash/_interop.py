@@ -6,7 +6,7 @@ with `cupy.from_dlpack` (device) or `numpy.from_dlpack` (host), and the results 
 through the producer's own `from_dlpack`, so a torch tensor in gives a torch tensor out.
 
 Streams: DLPack's stream handshake orders the import and export against the producer's stream. For
-torch, the call runs on torch's current stream itself (an ExternalStream), which needs no handshake
+torch, the call runs on torch's current stream itself (Stream.from_external), which needs no handshake
 and also avoids torch refusing CuPy's per-thread default stream value.
 """
 
@@ -88,7 +88,7 @@ def classify(x) -> Caller:
         if is_torch(x):
             import torch
 
-            stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device_id).cuda_stream, device_id)
+            stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream(device_id))
         return Caller("dlpack", ns, device_id, stream)
     return Caller("dlpack", ns)
 

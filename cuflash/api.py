@@ -11,7 +11,7 @@ import contextlib
 import importlib
 
 from . import _checks, _interop
-from .config import dtype_name
+from .config import dtype_name, numpy_dtype
 
 
 def _backend(name: str):
@@ -124,7 +124,7 @@ def flash_attn_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bsh
     call = _Call(q, layout, backend, {"q": q, "k": k, "v": v, "out": out})
     with call.context():
         o_work = None if out is None else call.working_out(out)
-        o_arr, o = call.out_array((b, sq, h, d), q.dtype, o_work)
+        o_arr, o = call.out_array((b, sq, h, d), numpy_dtype(dt), o_work)
         lse = call.empty((b, h, sq), lse_dtype(dt))
         if b and sq and h:
             qw, kw, vw = (_bshd(call.working(n, x), layout) for n, x in (("q", q), ("k", k), ("v", v)))
@@ -160,9 +160,9 @@ def flash_attn_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None
     scale = _checks.check_softmax_scale(softmax_scale, d)
     call = _Call(q, layout, backend, {"dout": do, "q": q, "k": k, "v": v, "o": o, "lse": lse})
     with call.context():
-        dq_arr, dq = call.out_array(qb.shape, q.dtype)
-        dk_arr, dk = call.out_array(kb.shape, k.dtype)
-        dv_arr, dv = call.out_array(vb.shape, v.dtype)
+        dq_arr, dq = call.out_array(tuple(qb.shape), numpy_dtype(dt))
+        dk_arr, dk = call.out_array(tuple(kb.shape), numpy_dtype(dt))
+        dv_arr, dv = call.out_array(tuple(vb.shape), numpy_dtype(dt))
         if b and h and (sq or kb.shape[1]):
             ws = [call.working(n, x) for n, x in (("dout", do), ("q", q), ("k", k), ("v", v), ("o", o))]
             dow, qw, kw, vw, ow = (_bshd(x, layout) for x in ws)

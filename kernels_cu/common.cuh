@@ -34,6 +34,11 @@ template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, f
     return *reinterpret_cast<unsigned*>(&h);
 }
 
+// 32-bit shared-state-space address of a generic pointer into shared memory (ldmatrix, cp.async).
+__device__ __forceinline__ unsigned smem_u32(const void* ptr) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(ptr));
+}
+
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 __device__ __forceinline__ float fast_exp2(float x) { return exp2f(x); }

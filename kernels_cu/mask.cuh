@@ -39,4 +39,48 @@ __device__ __forceinline__ bool block_needs_mask(int m_block, int n_block, int s
     return (n_block + 1) * kBlockN - 1 > m_block * kBlockM + seqlen_k - seqlen_q;
 }
 
+// Per-element masks on one warp's mma.sync score accumulators (C layout: c0,c1 = row g, cols 2t,2t+1;
+// c2,c3 = row g+8; g = lane >> 2, t = lane & 3). Hidden scores become -inf.
+//
+// S = Q K^T: kMTiles x kNTiles tiles of 16 query rows x 8 key columns; row0 is the global query row of
+// the warp's first row, col0 the global key column of n-tile 0.
+template <bool kIsCausal, int kMTiles, int kNTiles>
+__device__ __forceinline__ void mask_scores(float (&acc_s)[kMTiles][kNTiles][4], int row0, int col0, int lane,
+                                            int seqlen_q, int seqlen_k) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int limit = col_limit<kIsCausal>(row0 + 16 * mi + g + 8 * h, seqlen_q, seqlen_k);
+#pragma unroll
+            for (int ni = 0; ni < kNTiles; ++ni) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    if (col0 + 8 * ni + 2 * t + e >= limit) acc_s[mi][ni][2 * h + e] = neg_inf<float>();
+                }
+            }
+        }
+    }
+}
+
+// S^T = K Q^T (the dK/dV kernel): kNTiles tiles of 16 key rows x 8 query columns; key0 is the global key
+// row of the warp's first row, query0 the global query column of n-tile 0.
+template <bool kIsCausal, int kNTiles>
+__device__ __forceinline__ void mask_scores_t(float (&acc_s)[kNTiles][4], int key0, int query0, int lane,
+                                              int seqlen_q, int seqlen_k) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int ni = 0; ni < kNTiles; ++ni) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int limit = col_limit<kIsCausal>(query0 + 8 * ni + 2 * t + e, seqlen_q, seqlen_k);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                if (key0 + g + 8 * h >= limit) acc_s[ni][2 * h + e] = neg_inf<float>();
+            }
+        }
+    }
+}
+
 }  // namespace cuflash

@@ -1,0 +1,478 @@
+// FlashAttention backward: preprocess (every dtype), then dK/dV and dQ on tensor cores (fp16 / bf16).
+//
+// Deterministic by construction: no atomics. flash_bwd_dkdv owns one key block and loops over the
+// group's query heads and their query blocks, accumulating dK and dV in fp32 registers; flash_bwd_dq
+// owns one query block and loops over key blocks, accumulating dQ in fp32 registers. Both recompute
+// S and P = exp2(S * scale_log2 - LSE * log2(e)) from Q, K and the forward's LSE; a row with LSE = -inf
+// (it saw no key) takes the offset +inf so that its P is exactly 0, never NaN.
+//
+// Fragment layouts (mma.sync m16n8k16, ldmatrix) are spelled out in mma.cuh.
+#include "params.cuh"
+#include "common.cuh"
+#include "mask.cuh"
+#include "mma.cuh"
+#include "copy.cuh"
+
+namespace cuflash {
+
+// LSE (natural log) -> the offset subtracted from S * scale_log2 in exp2; -inf (no visible key) and
+// rows past seqlen_q give +inf, so P = exp2(finite or -inf - inf) = 0.
+__device__ __forceinline__ float lse_to_log2_offset(float lse) {
+    return lse == neg_inf<float>() ? -neg_inf<float>() : lse * 1.4426950408889634f;
+}
+
+// D = rowsum(dO * O), one warp per row (lanes stride over head_dim), accumulated in acc_t<T>.
+// Grid (ceil(seqlen_q / kBlockM), nheads, batch); rows >= seqlen_q are not written. No shared memory.
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+__global__ void __launch_bounds__(kNWarps * 32) flash_bwd_preprocess(const __grid_constant__ BwdParams p) {
+    using A = acc_t<T>;
+    constexpr unsigned kSmemBytes = 0;
+    unsigned dyn_smem;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+    if (dyn_smem < kSmemBytes) __trap();
+
+    // [1] Preprocess: D = rowsum(dO * O)
+    const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int seqlen_q = p.fwd.seqlen_q, head_dim = p.fwd.head_dim;
+    const T* o = static_cast<const T*>(p.fwd.o) + batch * p.fwd.o_batch_stride + head * p.fwd.o_head_stride;
+    const T* dout = static_cast<const T*>(p.dout) + batch * p.do_batch_stride + head * p.do_head_stride;
+    A* dsum = static_cast<A*>(p.dsum) + batch * p.dsum_batch_stride + head * p.dsum_head_stride;
+    for (int r = warp; r < kBlockM; r += kNWarps) {
+        const int row = m_block * kBlockM + r;
+        if (row >= seqlen_q) break;  // warp-uniform
+        const T* o_row = o + row * p.fwd.o_row_stride;
+        const T* do_row = dout + row * p.do_row_stride;
+        A sum = A(0);
+        for (int c = lane; c < head_dim; c += 32) sum += to_acc(o_row[c]) * to_acc(do_row[c]);
+        sum = warp_allreduce_sum<32>(sum);
+        if (lane == 0) dsum[row] = sum;
+    }
+}
+
+// dK, dV for one key block of kBlockN keys (grid (ceil(seqlen_k / kBlockN), nheads_k, batch)).
+//
+// Warps form a kWN x kWM grid: kWN = kBlockN / 16 warps along the keys (16 key rows each) and kWM warps
+// sharing those rows. Everything is computed transposed so that keys are the mma's M dimension:
+//   S^T = K Q^T, P^T, dP^T = V dO^T, dS^T (per warp: 16 keys x kBlockM / kWM queries),
+//   dV += P^T dO, dK += dS^T Q (per warp: 16 keys x kHeadDim / kWM dims, fp32 registers).
+// With kWM == 1 a warp's P^T / dS^T rows are exactly the A operands it needs, converted in registers.
+// With kWM > 1 they go through shared memory (sP, sdS) so that each warp sees all kBlockM queries.
+//
+// Shared memory (16-bit elements, pitch kHeadDim + 8; sP / sdS pitch kBlockM + 8; then floats):
+//   sK [kBlockN], sV [kBlockN], sQ [kBlockM], sdO [kBlockM], (kWM > 1: sP [kBlockN], sdS [kBlockN]),
+//   sLse [kBlockM] (log2 offsets), sD [kBlockM]
+//   config.smem_bytes: (2 * block_n + 2 * block_m) * (head_dim + 8) * 2
+//                      + (kWM > 1 ? 2 * block_n * (block_m + 8) * 2 : 0) + 2 * block_m * 4
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+__global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dkdv(const __grid_constant__ BwdParams p) {
+    static_assert(sizeof(T) == 2, "tensor-core kernel: __half or __nv_bfloat16");
+    static_assert(kBlockN % 16 == 0 && kNWarps % (kBlockN / 16) == 0, "16 key rows per warp");
+    constexpr int kNThreads = kNWarps * 32;
+    constexpr int kPitch = kHeadDim + 8;
+    constexpr int kWN = kBlockN / 16;
+    constexpr int kWM = kNWarps / kWN;
+    constexpr int kQCols = kBlockM / kWM;   // query columns of S^T per warp
+    constexpr int kDCols = kHeadDim / kWM;  // head-dim columns of dK / dV per warp
+    static_assert(kQCols % 16 == 0 && kDCols % 16 == 0, "ldmatrix.x4 covers 16 columns");
+    constexpr int kNTilesQ = kQCols / 8;
+    constexpr int kNTilesD = kDCols / 8;
+    constexpr bool kPInSmem = kWM > 1;
+    constexpr int kPPitch = kBlockM + 8;
+    constexpr unsigned kSmemBytes = (2 * kBlockN + 2 * kBlockM) * kPitch * sizeof(T) +
+                                    (kPInSmem ? 2 * kBlockN * kPPitch * sizeof(T) : 0) + 2 * kBlockM * sizeof(float);
+
+    unsigned dyn_smem;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+    if (dyn_smem < kSmemBytes) __trap();
+
+    extern __shared__ __align__(16) char smem[];
+    T* sK = reinterpret_cast<T*>(smem);
+    T* sV = sK + kBlockN * kPitch;
+    T* sQ = sV + kBlockN * kPitch;
+    T* sdO = sQ + kBlockM * kPitch;
+    T* sP = sdO + kBlockM * kPitch;
+    T* sdS = sP + (kPInSmem ? kBlockN * kPPitch : 0);
+    float* sLse = reinterpret_cast<float*>(sdS + (kPInSmem ? kBlockN * kPPitch : 0));
+    float* sD = sLse + kBlockM;
+
+    // [2] dK/dV block coordinates: n_block, kv head, batch; causal skips query blocks above the diagonal
+    const int n_block = blockIdx.x, head_k = blockIdx.y, batch = blockIdx.z;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int seqlen_q = p.fwd.seqlen_q, seqlen_k = p.fwd.seqlen_k, head_dim = p.fwd.head_dim;
+    const int group = p.fwd.nheads / p.fwd.nheads_k;
+    const int key_begin = n_block * kBlockN;
+    const int m_block_first = m_block_min<kIsCausal, kBlockM, kBlockN>(n_block, seqlen_q, seqlen_k);
+    const int m_block_end = ceil_div(seqlen_q, kBlockM);
+    const int wn = warp % kWN, wm = warp / kWN;
+    const int key_row0 = wn * 16;       // this warp's key rows inside the block
+    const int q_col0 = wm * kQCols;     // this warp's query columns of S^T inside the block
+    const int d_col0 = wm * kDCols;     // this warp's dK / dV columns
+    const float scale_log2 = static_cast<float>(p.fwd.scale_log2);
+
+    const T* k = static_cast<const T*>(p.fwd.k) + batch * p.fwd.k_batch_stride + head_k * p.fwd.k_head_stride +
+                 key_begin * p.fwd.k_row_stride;
+    const T* v = static_cast<const T*>(p.fwd.v) + batch * p.fwd.v_batch_stride + head_k * p.fwd.v_head_stride +
+                 key_begin * p.fwd.v_row_stride;
+    cp_async_tile<kBlockN, kHeadDim, kPitch, kNThreads>(sK, k, p.fwd.k_row_stride, seqlen_k - key_begin, head_dim, tid);
+    cp_async_tile<kBlockN, kHeadDim, kPitch, kNThreads>(sV, v, p.fwd.v_row_stride, seqlen_k - key_begin, head_dim, tid);
+    cp_async_commit();
+
+    // Per-lane ldmatrix addresses (bytes, shared space); mma.cuh has the lane -> row maps.
+    // K, V as A operands (rows = this warp's 16 keys, k = head dim).
+    const unsigned k_a = smem_u32(sK + key_row0 * kPitch + ldsm_a_offset(lane, kPitch));
+    const unsigned v_a = smem_u32(sV + key_row0 * kPitch + ldsm_a_offset(lane, kPitch));
+    // Q, dO as B operands of K Q^T / V dO^T: [query][dim] tiles = [n][k], non-transposed.
+    const unsigned q_b = smem_u32(sQ + q_col0 * kPitch + ldsm_b_offset(lane, kPitch));
+    const unsigned do_b = smem_u32(sdO + q_col0 * kPitch + ldsm_b_offset(lane, kPitch));
+    // dO, Q as B operands of P^T dO / dS^T Q: [query][dim] tiles = [k][n], transposed.
+    const unsigned do_bt = smem_u32(sdO + d_col0 + ldsm_bt_offset(lane, kPitch));
+    const unsigned q_bt = smem_u32(sQ + d_col0 + ldsm_bt_offset(lane, kPitch));
+    // P^T, dS^T as A operands from shared memory (kWM > 1): rows = this warp's keys, k = queries.
+    const unsigned p_a = smem_u32(sP + key_row0 * kPPitch + ldsm_a_offset(lane, kPPitch));
+    const unsigned ds_a = smem_u32(sdS + key_row0 * kPPitch + ldsm_a_offset(lane, kPPitch));
+    const int t = lane & 3;
+
+    float acc_dk[kNTilesD][4], acc_dv[kNTilesD][4];
+#pragma unroll
+    for (int nd = 0; nd < kNTilesD; ++nd)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dk[nd][e] = acc_dv[nd][e] = 0.f;
+
+    for (int hq = 0; hq < group; ++hq) {
+        const int head = head_k * group + hq;
+        const T* q_head = static_cast<const T*>(p.fwd.q) + batch * p.fwd.q_batch_stride + head * p.fwd.q_head_stride;
+        const T* do_head = static_cast<const T*>(p.dout) + batch * p.do_batch_stride + head * p.do_head_stride;
+        const float* lse_head = static_cast<const float*>(p.fwd.lse) + batch * p.fwd.lse_batch_stride +
+                                head * p.fwd.lse_head_stride;
+        const float* dsum_head =
+            static_cast<const float*>(p.dsum) + batch * p.dsum_batch_stride + head * p.dsum_head_stride;
+
+        for (int m_block = m_block_first; m_block < m_block_end; ++m_block) {
+            const int row_begin = m_block * kBlockM;
+            // [3] Load the Q, dO tiles and LSE, D rows of one query block
+            cp_async_tile<kBlockM, kHeadDim, kPitch, kNThreads>(sQ, q_head + row_begin * p.fwd.q_row_stride,
+                                                               p.fwd.q_row_stride, seqlen_q - row_begin, head_dim, tid);
+            cp_async_tile<kBlockM, kHeadDim, kPitch, kNThreads>(sdO, do_head + row_begin * p.do_row_stride,
+                                                               p.do_row_stride, seqlen_q - row_begin, head_dim, tid);
+            cp_async_commit();
+            for (int i = tid; i < kBlockM; i += kNThreads) {
+                const int row = row_begin + i;
+                sLse[i] = row < seqlen_q ? lse_to_log2_offset(lse_head[row]) : -neg_inf<float>();
+                sD[i] = row < seqlen_q ? dsum_head[row] : 0.f;
+            }
+            cp_async_wait<0>();
+            __syncthreads();
+
+            // [4] Recompute S = Q K^T, mask, P = exp2(S * scale_log2 - LSE * log2(e))
+            // Computed as S^T = K Q^T: acc_s[ni][2h + e] is key key_row0 + g + 8h,
+            // query q_col0 + 8*ni + 2t + e (C layout).
+            float acc_s[kNTilesQ][4];
+#pragma unroll
+            for (int ni = 0; ni < kNTilesQ; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_s[ni][e] = 0.f;
+#pragma unroll
+            for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+                unsigned a[4];  // K rows key_row0 + {g, g+8}, dims 16*ks + {2t,2t+1,2t+8,2t+9}
+                ldmatrix_x4(a, k_a + ks * 16 * sizeof(T));
+#pragma unroll
+                for (int np = 0; np < kNTilesQ / 2; ++np) {
+                    unsigned b[4];  // {b0,b1} of queries 16*np + g, then of 16*np + 8 + g (k = dims)
+                    ldmatrix_x4(b, q_b + (np * 16 * kPitch + ks * 16) * sizeof(T));
+                    mma_16816<T>(acc_s[2 * np], a, b[0], b[1]);
+                    mma_16816<T>(acc_s[2 * np + 1], a, b[2], b[3]);
+                }
+            }
+            if (block_needs_mask<kIsCausal, kBlockM, kBlockN>(m_block, n_block, seqlen_q, seqlen_k)) {
+                mask_scores_t<kIsCausal, kNTilesQ>(acc_s, key_begin + key_row0, row_begin + q_col0, lane, seqlen_q,
+                                                   seqlen_k);
+            }
+#pragma unroll
+            for (int ni = 0; ni < kNTilesQ; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float lse_off = sLse[q_col0 + 8 * ni + 2 * t + (e & 1)];
+                    acc_s[ni][e] = exp2f(acc_s[ni][e] * scale_log2 - lse_off);
+                }
+            if constexpr (kPInSmem) {
+                acc_to_smem<T, kNTilesQ, kPPitch>(sP, acc_s, key_row0, q_col0, lane, 1.f);
+                __syncthreads();
+            }
+
+            // [5] dV += P^T dO
+            // A = P^T (keys x queries, k-slice kq = queries 16*kq..+15); B = dO (k = queries, n = dims).
+#pragma unroll
+            for (int kq = 0; kq < kBlockM / 16; ++kq) {
+                unsigned a[4];
+                if constexpr (kPInSmem) {
+                    ldmatrix_x4(a, p_a + kq * 16 * sizeof(T));
+                } else {
+                    acc_to_a<T>(a, acc_s[2 * kq], acc_s[2 * kq + 1]);
+                }
+#pragma unroll
+                for (int np = 0; np < kNTilesD / 2; ++np) {
+                    unsigned b[4];  // {b0,b1} of dims d_col0 + 16*np + g, then + 8 (k = queries), via .trans
+                    ldmatrix_x4_trans(b, do_bt + (kq * 16 * kPitch + np * 16) * sizeof(T));
+                    mma_16816<T>(acc_dv[2 * np], a, b[0], b[1]);
+                    mma_16816<T>(acc_dv[2 * np + 1], a, b[2], b[3]);
+                }
+            }
+
+            // [6] dP = dO V^T
+            // Computed as dP^T = V dO^T, same layout as acc_s.
+            float acc_dp[kNTilesQ][4];
+#pragma unroll
+            for (int ni = 0; ni < kNTilesQ; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_dp[ni][e] = 0.f;
+#pragma unroll
+            for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+                unsigned a[4];  // V rows key_row0 + {g, g+8}, dims 16*ks + ...
+                ldmatrix_x4(a, v_a + ks * 16 * sizeof(T));
+#pragma unroll
+                for (int np = 0; np < kNTilesQ / 2; ++np) {
+                    unsigned b[4];  // dO rows as B columns, as for Q above
+                    ldmatrix_x4(b, do_b + (np * 16 * kPitch + ks * 16) * sizeof(T));
+                    mma_16816<T>(acc_dp[2 * np], a, b[0], b[1]);
+                    mma_16816<T>(acc_dp[2 * np + 1], a, b[2], b[3]);
+                }
+            }
+
+            // [7] dS = P * (dP - D)
+            // D belongs to the query (column): query q_col0 + 8*ni + 2t + (e & 1).
+#pragma unroll
+            for (int ni = 0; ni < kNTilesQ; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float d = sD[q_col0 + 8 * ni + 2 * t + (e & 1)];
+                    acc_dp[ni][e] = acc_s[ni][e] * (acc_dp[ni][e] - d);
+                }
+            if constexpr (kPInSmem) {
+                acc_to_smem<T, kNTilesQ, kPPitch>(sdS, acc_dp, key_row0, q_col0, lane, 1.f);
+                __syncthreads();
+            }
+
+            // [8] dK += dS^T Q
+            // A = dS^T (keys x queries); B = Q (k = queries, n = dims).
+#pragma unroll
+            for (int kq = 0; kq < kBlockM / 16; ++kq) {
+                unsigned a[4];
+                if constexpr (kPInSmem) {
+                    ldmatrix_x4(a, ds_a + kq * 16 * sizeof(T));
+                } else {
+                    acc_to_a<T>(a, acc_dp[2 * kq], acc_dp[2 * kq + 1]);
+                }
+#pragma unroll
+                for (int np = 0; np < kNTilesD / 2; ++np) {
+                    unsigned b[4];
+                    ldmatrix_x4_trans(b, q_bt + (kq * 16 * kPitch + np * 16) * sizeof(T));
+                    mma_16816<T>(acc_dk[2 * np], a, b[0], b[1]);
+                    mma_16816<T>(acc_dk[2 * np + 1], a, b[2], b[3]);
+                }
+            }
+            __syncthreads();  // every warp is done with sQ, sdO, sP, sdS, sLse, sD before the next block
+        }
+    }
+
+    // [9] Store dK * softmax_scale and dV
+    cp_async_wait<0>();  // K, V copies may still be in flight when no query block was visited
+    __syncthreads();
+    acc_to_smem<T, kNTilesD, kPitch>(sK, acc_dk, key_row0, d_col0, lane, static_cast<float>(p.fwd.softmax_scale));
+    acc_to_smem<T, kNTilesD, kPitch>(sV, acc_dv, key_row0, d_col0, lane, 1.f);
+    __syncthreads();
+    T* dk = static_cast<T*>(p.dk) + batch * p.dk_batch_stride + head_k * p.dk_head_stride + key_begin * p.dk_row_stride;
+    T* dv = static_cast<T*>(p.dv) + batch * p.dv_batch_stride + head_k * p.dv_head_stride + key_begin * p.dv_row_stride;
+    store_tile<kBlockN, kHeadDim, kPitch, kNThreads>(dk, p.dk_row_stride, sK, seqlen_k - key_begin, head_dim, tid);
+    store_tile<kBlockN, kHeadDim, kPitch, kNThreads>(dv, p.dv_row_stride, sV, seqlen_k - key_begin, head_dim, tid);
+}
+
+// dQ for one query block of kBlockM rows (grid (ceil(seqlen_q / kBlockM), nheads, batch)).
+//
+// Warp w owns query rows [w * kMTiles * 16, +kMTiles * 16) of the block, as in the forward: S, dP, dS
+// (kMTiles x kBlockN) and dQ (kMTiles x kHeadDim, fp32) are in its registers, and dS becomes the A
+// operand of dS K in registers.
+//
+// Shared memory (16-bit elements, pitch kHeadDim + 8): sQ [kBlockM], sdO [kBlockM], sK [kBlockN], sV [kBlockN]
+//   config.smem_bytes: (2 * block_m + 2 * block_n) * (head_dim + 8) * 2
+// V[n+1] is fetched while dS and dS K[n] are computed; K[n+1] after dS K[n].
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+__global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dq(const __grid_constant__ BwdParams p) {
+    static_assert(sizeof(T) == 2, "tensor-core kernel: __half or __nv_bfloat16");
+    static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0, "16-wide mma k-slices / ldmatrix pairs");
+    static_assert(kBlockM % (16 * kNWarps) == 0, "each warp owns a multiple of 16 query rows");
+    constexpr int kNThreads = kNWarps * 32;
+    constexpr int kPitch = kHeadDim + 8;
+    constexpr int kMTiles = kBlockM / (16 * kNWarps);
+    constexpr int kNTilesS = kBlockN / 8;
+    constexpr int kNTilesD = kHeadDim / 8;
+    constexpr unsigned kSmemBytes = (2 * kBlockM + 2 * kBlockN) * kPitch * sizeof(T);
+
+    unsigned dyn_smem;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+    if (dyn_smem < kSmemBytes) __trap();
+
+    extern __shared__ __align__(16) char smem[];
+    T* sQ = reinterpret_cast<T*>(smem);
+    T* sdO = sQ + kBlockM * kPitch;
+    T* sK = sdO + kBlockM * kPitch;
+    T* sV = sK + kBlockN * kPitch;
+
+    // [10] dQ block coordinates: m_block, head, batch; causal skips key blocks above the diagonal
+    const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+    const int head_k = head / (p.fwd.nheads / p.fwd.nheads_k);
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int g = lane >> 2;
+    const int seqlen_q = p.fwd.seqlen_q, seqlen_k = p.fwd.seqlen_k, head_dim = p.fwd.head_dim;
+    const int n_block_end = n_block_max<kIsCausal, kBlockM, kBlockN>(m_block, seqlen_q, seqlen_k);
+    const int row_begin = m_block * kBlockM;
+    const int warp_row0 = warp * kMTiles * 16;
+    const float scale_log2 = static_cast<float>(p.fwd.scale_log2);
+
+    const T* q = static_cast<const T*>(p.fwd.q) + batch * p.fwd.q_batch_stride + head * p.fwd.q_head_stride +
+                 row_begin * p.fwd.q_row_stride;
+    const T* dout = static_cast<const T*>(p.dout) + batch * p.do_batch_stride + head * p.do_head_stride +
+                    row_begin * p.do_row_stride;
+    const T* k = static_cast<const T*>(p.fwd.k) + batch * p.fwd.k_batch_stride + head_k * p.fwd.k_head_stride;
+    const T* v = static_cast<const T*>(p.fwd.v) + batch * p.fwd.v_batch_stride + head_k * p.fwd.v_head_stride;
+
+    cp_async_tile<kBlockM, kHeadDim, kPitch, kNThreads>(sQ, q, p.fwd.q_row_stride, seqlen_q - row_begin, head_dim, tid);
+    cp_async_tile<kBlockM, kHeadDim, kPitch, kNThreads>(sdO, dout, p.do_row_stride, seqlen_q - row_begin, head_dim, tid);
+    if (n_block_end > 0) {
+        cp_async_tile<kBlockN, kHeadDim, kPitch, kNThreads>(sK, k, p.fwd.k_row_stride, seqlen_k, head_dim, tid);
+        cp_async_tile<kBlockN, kHeadDim, kPitch, kNThreads>(sV, v, p.fwd.v_row_stride, seqlen_k, head_dim, tid);
+    }
+    cp_async_commit();
+
+    // LSE offsets and D of this thread's rows: index 2*mi + h is row warp_row0 + 16*mi + g + 8h.
+    float lse_off[2 * kMTiles], dsum[2 * kMTiles];
+    {
+        const float* lse_head = static_cast<const float*>(p.fwd.lse) + batch * p.fwd.lse_batch_stride +
+                                head * p.fwd.lse_head_stride;
+        const float* dsum_head =
+            static_cast<const float*>(p.dsum) + batch * p.dsum_batch_stride + head * p.dsum_head_stride;
+#pragma unroll
+        for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = row_begin + warp_row0 + 16 * mi + g + 8 * h;
+                lse_off[2 * mi + h] = row < seqlen_q ? lse_to_log2_offset(lse_head[row]) : -neg_inf<float>();
+                dsum[2 * mi + h] = row < seqlen_q ? dsum_head[row] : 0.f;
+            }
+    }
+
+    // Per-lane ldmatrix addresses (bytes, shared space).
+    // Q, dO: A operands (rows = this warp's queries, k = head dim).
+    const unsigned q_a = smem_u32(sQ + warp_row0 * kPitch + ldsm_a_offset(lane, kPitch));
+    const unsigned do_a = smem_u32(sdO + warp_row0 * kPitch + ldsm_a_offset(lane, kPitch));
+    // K, V: B operands of Q K^T / dO V^T from [key][dim] = [n][k] tiles, non-transposed.
+    const unsigned k_b = smem_u32(sK + ldsm_b_offset(lane, kPitch));
+    const unsigned v_b = smem_u32(sV + ldsm_b_offset(lane, kPitch));
+    // K: B operand of dS K from the [key][dim] = [k][n] tile, transposed.
+    const unsigned k_bt = smem_u32(sK + ldsm_bt_offset(lane, kPitch));
+
+    float acc_dq[kMTiles][kNTilesD][4];
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+        for (int nd = 0; nd < kNTilesD; ++nd)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dq[mi][nd][e] = 0.f;
+
+    for (int n_block = 0; n_block < n_block_end; ++n_block) {
+        const int key0 = n_block * kBlockN;
+        cp_async_wait<0>();  // K[n_block], V[n_block] (and Q, dO) have landed ...
+        __syncthreads();     // ... for every thread
+
+        // [11] Recompute S, P and dS = P * (dO V^T - D) for one key block
+        // acc_s / acc_dp[mi][ni][2h + e]: query row warp_row0 + 16*mi + g + 8h, key key0 + 8*ni + 2t + e.
+        float acc_s[kMTiles][kNTilesS][4], acc_dp[kMTiles][kNTilesS][4];
+#pragma unroll
+        for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < kNTilesS; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_s[mi][ni][e] = acc_dp[mi][ni][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+            unsigned aq[kMTiles][4], ado[kMTiles][4];  // rows 16*mi + {g, g+8}, dims 16*ks + ...
+#pragma unroll
+            for (int mi = 0; mi < kMTiles; ++mi) {
+                ldmatrix_x4(aq[mi], q_a + (mi * 16 * kPitch + ks * 16) * sizeof(T));
+                ldmatrix_x4(ado[mi], do_a + (mi * 16 * kPitch + ks * 16) * sizeof(T));
+            }
+#pragma unroll
+            for (int np = 0; np < kNTilesS / 2; ++np) {
+                unsigned bk[4], bv[4];  // {b0,b1} of keys 16*np + g, then 16*np + 8 + g (k = dims)
+                ldmatrix_x4(bk, k_b + (np * 16 * kPitch + ks * 16) * sizeof(T));
+                ldmatrix_x4(bv, v_b + (np * 16 * kPitch + ks * 16) * sizeof(T));
+#pragma unroll
+                for (int mi = 0; mi < kMTiles; ++mi) {
+                    mma_16816<T>(acc_s[mi][2 * np], aq[mi], bk[0], bk[1]);
+                    mma_16816<T>(acc_s[mi][2 * np + 1], aq[mi], bk[2], bk[3]);
+                    mma_16816<T>(acc_dp[mi][2 * np], ado[mi], bv[0], bv[1]);
+                    mma_16816<T>(acc_dp[mi][2 * np + 1], ado[mi], bv[2], bv[3]);
+                }
+            }
+        }
+        __syncthreads();  // every warp is done with sV
+        if (n_block + 1 < n_block_end) {
+            const int key_next = key0 + kBlockN;
+            cp_async_tile<kBlockN, kHeadDim, kPitch, kNThreads>(sV, v + key_next * p.fwd.v_row_stride,
+                                                               p.fwd.v_row_stride, seqlen_k - key_next, head_dim, tid);
+            cp_async_commit();
+        }
+        if (block_needs_mask<kIsCausal, kBlockM, kBlockN>(m_block, n_block, seqlen_q, seqlen_k)) {
+            mask_scores<kIsCausal, kMTiles, kNTilesS>(acc_s, row_begin + warp_row0, key0, lane, seqlen_q, seqlen_k);
+        }
+#pragma unroll
+        for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < kNTilesS; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = 2 * mi + (e >> 1);
+                    const float pv = exp2f(acc_s[mi][ni][e] * scale_log2 - lse_off[r]);
+                    acc_dp[mi][ni][e] = pv * (acc_dp[mi][ni][e] - dsum[r]);  // now dS
+                }
+
+        // [12] dQ += dS K
+        // A = dS (queries x keys, k-slice ks = keys 16*ks..+15, n-tiles 2ks, 2ks+1); B = K (k = keys, n = dims).
+#pragma unroll
+        for (int ks = 0; ks < kBlockN / 16; ++ks) {
+            unsigned a[kMTiles][4];
+#pragma unroll
+            for (int mi = 0; mi < kMTiles; ++mi) acc_to_a<T>(a[mi], acc_dp[mi][2 * ks], acc_dp[mi][2 * ks + 1]);
+#pragma unroll
+            for (int np = 0; np < kHeadDim / 16; ++np) {
+                unsigned b[4];  // {b0,b1} of dims 16*np + g, then 16*np + 8 + g (k = keys), via .trans
+                ldmatrix_x4_trans(b, k_bt + (ks * 16 * kPitch + np * 16) * sizeof(T));
+#pragma unroll
+                for (int mi = 0; mi < kMTiles; ++mi) {
+                    mma_16816<T>(acc_dq[mi][2 * np], a[mi], b[0], b[1]);
+                    mma_16816<T>(acc_dq[mi][2 * np + 1], a[mi], b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads();  // every warp is done with sK
+        if (n_block + 1 < n_block_end) {
+            const int key_next = key0 + kBlockN;
+            cp_async_tile<kBlockN, kHeadDim, kPitch, kNThreads>(sK, k + key_next * p.fwd.k_row_stride,
+                                                               p.fwd.k_row_stride, seqlen_k - key_next, head_dim, tid);
+            cp_async_commit();
+        }
+    }
+
+    // [13] Store dQ * softmax_scale
+    cp_async_wait<0>();  // Q / dO copies may still be in flight when no key block was visited
+    __syncthreads();
+    const float softmax_scale = static_cast<float>(p.fwd.softmax_scale);
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+        acc_to_smem<T, kNTilesD, kPitch>(sQ, acc_dq[mi], warp_row0 + 16 * mi, 0, lane, softmax_scale);
+    __syncthreads();
+    T* dq = static_cast<T*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride + row_begin * p.dq_row_stride;
+    store_tile<kBlockM, kHeadDim, kPitch, kNThreads>(dq, p.dq_row_stride, sQ, seqlen_q - row_begin, head_dim, tid);
+}
+
+}  // namespace cuflash
