@@ -106,6 +106,7 @@ def kernel(cfg: KernelConfig):
     k = _kernels.get(key)
     if k is not None:
         return k
+    _check_smem(cfg)
     mod = module(cfg.source, (cfg.template_name,))
     k = mod.get_function(cfg.template_name)
     if cfg.smem_bytes > DEFAULT_SMEM_BYTES:
@@ -114,8 +115,25 @@ def kernel(cfg: KernelConfig):
     return k
 
 
+def _check_smem(cfg: KernelConfig) -> None:
+    """A config that needs more shared memory than this device grants fails here, by name."""
+    import cupy
+
+    limit = cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
+    if cfg.smem_bytes > limit:
+        raise RuntimeError(
+            f"{cfg.template_name} needs {cfg.smem_bytes} bytes of shared memory per block; this GPU "
+            f"grants {limit} (head_dim {cfg.head_dim} is not supported on it yet)"
+        )
+
+
 def precompile(configs: list[KernelConfig], jobs: int = 1) -> int:
-    """Compile configs into CuPy's disk cache, `jobs` processes at a time. Returns how many."""
+    """Compile configs into CuPy's disk cache, `jobs` processes at a time. Returns how many.
+    Configs that need more shared memory than this device grants are left out."""
+    import cupy
+
+    limit = cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
+    configs = [c for c in configs if c.smem_bytes <= limit]
     if jobs <= 1:
         for cfg in configs:
             kernel(cfg)

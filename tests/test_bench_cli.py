@@ -1,0 +1,354 @@
+"""`cuflash bench`: option parsing, the no-GPU path end to end, JSON schema, plot, pure helpers.
+
+CPU only and fast: the no-GPU path runs the NumPy backend at small N.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from cuflash.benchmark import SUITES, command, report, timing
+from cuflash.benchmark.command import bench
+from cuflash.benchmark.suites import Settings, cell_count, suite_params
+
+FAST = ["--seqlens", "32,64", "--heads", "1", "--head-dim", "32"]
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    monkeypatch.setattr(command, "detect_gpu", lambda: (False, "test: GPU hidden"))
+
+
+def group():
+    @click.group()
+    def main():
+        pass
+
+    main.add_command(bench)
+    return main
+
+
+def invoke(args, **kw):
+    return CliRunner().invoke(group(), ["bench", *args], catch_exceptions=False, **kw)
+
+
+# ------------------------------------------------------------------------------------------------
+# Options
+
+
+def test_help_lists_every_option():
+    r = invoke(["--help"])
+    assert r.exit_code == 0
+    for opt in ("--suite", "--dtype", "--causal", "--no-causal", "--batch", "--heads", "--head-dim", "--seqlens",
+                "--backends", "--json", "--plot", "--quick", "--repeats", "--warmup", "--cell-seconds",
+                "--max-suite-seconds", "--max-seconds", "--energy-window", "--seed", "--cpu"):
+        assert opt in r.output, opt
+    for suite in SUITES:
+        assert suite in r.output
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--suite", "bogus"], "unknown suite 'bogus'"),
+    (["--suite", "seqlen,nope"], "unknown suite 'nope'"),
+    (["--dtype", "int8"], "is not a dtype"),
+    (["--seqlens", "512,abc"], "'abc' is not an integer"),
+    (["--seqlens", "0"], "must be positive"),
+    (["--head-dim", "100"], "multiple of 8"),
+    (["--head-dim", "512"], "multiple of 8"),
+    (["--backends", "triton"], "unknown backend 'triton'"),
+    (["--plot", "out.jpg"], "ending in .png"),
+    (["--repeats", "5"], "5 is not in the range x>=10"),
+    (["--energy-window", "1"], "x>=2.0"),
+    (["--batch", "0"], "x>=1"),
+])
+def test_bad_values_fail_clearly(args, message):
+    r = CliRunner().invoke(group(), ["bench", *args])
+    assert r.exit_code == 2, r.output
+    assert message in r.output, r.output
+
+
+def test_parsers():
+    assert command.parse_suites(None, None, ()) == ("seqlen",)
+    assert command.parse_suites(None, None, ("memory,seqlen", "memory")) == ("seqlen", "memory")
+    assert command.parse_suites(None, None, ("all",)) == SUITES
+    assert command.parse_seqlens(None, None, "2048, 512,512") == (512, 2048)
+    assert command.parse_backends(None, None, "torch,cuflash") == (
+        "cuflash", "torch-flash", "torch-efficient", "torch-cudnn", "torch-math")
+    assert command.parse_backends(None, None, "flash") == ("torch-flash",)
+    assert command.parse_dtype(None, None, "BF16") == "bfloat16"
+
+
+def test_suite_params_defaults_match_the_issue():
+    s = Settings(suites=SUITES)
+    p = suite_params("seqlen", s, "gpu")
+    assert (p["batch"], p["nheads"], p["head_dim"], p["dtype"], p["causal"]) == (2, 8, 128, "bfloat16", True)
+    assert p["seqlens"] == [512, 1024, 2048, 4096, 8192, 16384] and p["modes"] == ["fwd", "bwd", "fwd_bwd"]
+    h = suite_params("headdim", s, "gpu")
+    assert h["seqlen"] == 8192 and h["batch"] == 1 and h["head_dims"] == [32, 64, 128, 256]
+    assert all(d * n == 1024 for d, n in zip(h["head_dims"], h["nheads"]))
+    assert suite_params("energy", s, "gpu")["seqlen"] == 16384
+    assert suite_params("accuracy", s, "gpu")["seqlens"] == [512, 1024, 2048, 4096, 8192]
+    assert suite_params("accuracy", s, "gpu")["dtypes"] == ["float32", "float16", "bfloat16"]
+    q = Settings(suites=SUITES, quick=True, seqlens=(256, 1024))
+    assert suite_params("seqlen", q, "gpu")["seqlens"] == [256, 1024]
+    assert suite_params("energy", q, "gpu")["seqlen"] == 1024
+    assert suite_params("memory", Settings(), "cpu")["seqlens"] == [128, 256, 512, 1024]
+    for name in SUITES:
+        assert cell_count(name, suite_params(name, s, "gpu"), 6) > 0
+    with pytest.raises(ValueError):
+        suite_params("seqlen", s, "cpu")
+
+
+# ------------------------------------------------------------------------------------------------
+# The no-GPU path end to end
+
+
+def test_no_gpu_quick_json_and_plot(no_gpu, tmp_path):
+    js, png = tmp_path / "out" / "r.json", tmp_path / "r.png"
+    r = invoke(["--quick", *FAST, "--json", str(js), "--plot", str(png)])
+    assert r.exit_code == 0, r.output
+    first = r.output.splitlines()[0]
+    assert first.startswith("no CUDA GPU visible (test: GPU hidden): running the NumPy backend")
+    doc = json.loads(js.read_text())
+    assert report.validate(doc) == []
+    assert doc["meta"]["platform"] == "cpu" and doc["meta"]["gpu"] is None
+    assert doc["meta"]["options"]["seqlens"] == [32, 64]
+    assert isinstance(doc["meta"]["command"], str)  # (pytest's own argv here)
+    assert set(doc["suites"]) == {"memory", "accuracy"}
+    mem = doc["suites"]["memory"]
+    assert mem["status"] == "ok", mem
+    ours = [x for x in mem["rows"] if x["implementation"] == "cuflash-numpy"]
+    assert ours and all(x["peak_bytes"] > 0 and "mem_ratio_vs_materialized-numpy" in x for x in ours)
+    assert set(mem["ratio_by_n"]) == {"fwd", "fwd_bwd"}
+    acc = doc["suites"]["accuracy"]
+    assert acc["status"] == "ok", acc
+    rule = [x for x in acc["rows"] if "within_rule" in x]
+    assert rule and all(x["within_rule"] for x in rule)
+    rep = [x for x in acc["rows"] if x.get("output") == "all"]
+    assert len(rep) == 6 and all(x["bitwise_reproducible"] for x in rep)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "max abs error vs float64" in r.output and "log-log slope" in r.output
+
+
+def test_memory_ratio_grows_with_n(no_gpu, tmp_path):
+    js = tmp_path / "m.json"
+    r = invoke(["--seqlens", "64,256,1024", "--heads", "1", "--head-dim", "32", "--json", str(js)])
+    assert r.exit_code == 0, r.output
+    mem = json.loads(js.read_text())["suites"]["memory"]
+    pts = mem["ratio_by_n"]["fwd"]
+    assert [p["seqlen"] for p in pts] == [64, 256, 1024]
+    assert pts[-1]["ratio"] > 2 * pts[0]["ratio"]  # a slope, not a constant
+    assert mem["loglog_slope"]["fwd"] > 0.3
+
+
+def test_cpu_flag_forces_the_cpu_path(tmp_path):
+    r = invoke(["--cpu", "--quick", *FAST, "--suite", "seqlen"])
+    assert r.exit_code == 0, r.output
+    assert r.output.splitlines()[0].startswith("--cpu: running the NumPy backend")
+
+
+# ------------------------------------------------------------------------------------------------
+# Pure helpers
+
+
+def test_summarize():
+    st = timing.summarize([3.0, 1.0, 2.0, 10.0])
+    assert st == {"ms_median": 2.5, "ms_min": 1.0, "ms_max": 10.0, "n_runs": 4}
+    assert timing.summarize([5.0], prefix="host_ms")["host_ms_median"] == 5.0
+    with pytest.raises(ValueError):
+        timing.summarize([])
+
+
+def test_repeats_and_input_sets():
+    assert timing.repeats_for(1.0, 20, 0.5) == 20
+    assert timing.repeats_for(100.0, 20, 0.5) == 10  # never under 10
+    assert timing.repeats_for(30.0, 50, 0.6) == 20
+    assert timing.input_sets_for(6 * 2**20, 60 * 2**20) == 16  # capped
+    assert timing.input_sets_for(48 * 2**20, 60 * 2**20) == 3
+    assert timing.input_sets_for(2**30, 60 * 2**20) == 1
+
+
+def test_flops_and_tflops():
+    f = timing.flops(2, 8, 1024, 1024, 128, False, "fwd")
+    assert f == 4 * 2 * 8 * 1024 * 1024 * 128
+    assert timing.flops(2, 8, 1024, 1024, 128, True, "fwd") == f // 2
+    assert timing.flops(2, 8, 1024, 1024, 128, False, "bwd") == f * 5 // 2
+    assert timing.flops(2, 8, 1024, 1024, 128, False, "fwd_bwd") == f * 7 // 2
+    assert timing.tflops(2e12, 1000.0) == pytest.approx(2.0)
+    assert timing.tflops(None, 1.0) is None and timing.tflops(1e12, 0) is None
+
+
+def _row(impl, ms, mode="fwd", n=1024, **kw):
+    shape = {"batch": 2, "nheads": 8, "seqlen_q": n, "seqlen_k": n, "head_dim": 128}
+    r = report.make_row(shape, "bfloat16", True, impl, mode, ms_median=ms, ms_min=ms * 0.9, ms_max=ms * 1.2,
+                        n_runs=10, tflops=1.0, **kw)
+    return r
+
+
+def test_ratio_columns():
+    rows = [_row("cuflash", 1.0), _row("conventional", 3.0), _row("torch-flash", 0.8),
+            report.make_row(_row("x", 1)["shape"], "bfloat16", True, "torch-cudnn", "fwd", status="unavailable",
+                            reason="no"),
+            _row("cuflash", 2.0, mode="bwd"), _row("conventional", 8.0, mode="bwd")]
+    report.add_speedups(rows)
+    assert rows[0]["speedup_vs_conventional"] == pytest.approx(3.0)
+    assert rows[0]["speedup_vs_torch-flash"] == pytest.approx(0.8)
+    assert "speedup_vs_torch-cudnn" not in rows[0]
+    assert rows[1]["cuflash_speedup"] == pytest.approx(3.0)
+    assert rows[4]["speedup_vs_conventional"] == pytest.approx(4.0)  # grouped by mode
+
+
+def test_memory_ratios_and_slope():
+    rows = []
+    for n in (1024, 2048, 4096):
+        for impl, peak in (("cuflash", 10 * n), ("conventional", n * n)):
+            rows.append(report.make_row(_row("x", 1, n=n)["shape"], "bfloat16", True, impl, "fwd", peak_bytes=peak))
+    report.add_memory_ratios(rows)
+    s = report.memory_summary(rows, "cuflash", "conventional")
+    assert [p["ratio"] for p in s["ratio_by_n"]["fwd"]] == pytest.approx([102.4, 204.8, 409.6])
+    assert s["loglog_slope"]["fwd"] == pytest.approx(1.0)
+    assert s["ratio_growth"]["fwd"] == pytest.approx(4.0)
+    assert report.loglog_slope([1, 2, 4], [3, 3, 3]) == pytest.approx(0.0)
+    assert report.loglog_slope([1], [1]) is None
+
+
+def _gpu_doc():
+    rows = [_row("cuflash", 1.0), _row("conventional", 3.0)]
+    report.add_speedups(rows)
+    launch = [_row("cuflash", 0.1, host_ms_median=0.05, host_ms_min=0.04, host_ms_max=0.09, host_over_device=0.5)]
+    meta = report.make_meta({"suites": ["seqlen"]}, "gpu", None, argv=["cuflash", "bench"])
+    suites = {
+        "seqlen": {"platform": "gpu", "status": "ok", "reason": None, "seconds": 1.0, "params": {}, "rows": rows},
+        "launch": {"platform": "gpu", "status": "ok", "reason": None, "seconds": 1.0, "params": {}, "rows": launch},
+    }
+    return report.document(meta, suites)
+
+
+def test_schema_validator_accepts_and_rejects():
+    doc = _gpu_doc()
+    assert report.validate(doc) == []
+    assert doc["meta"]["command"] == "cuflash bench"
+    meta = report.make_meta({}, "cpu", "x", argv=["/x/cuflash/__main__.py", "bench", "--json", "a b.json"])
+    assert meta["command"] == "python3 -m cuflash bench --json 'a b.json'"
+
+    def broken(fn):
+        d = copy.deepcopy(doc)
+        fn(d)
+        return report.validate(d)
+
+    assert any("schema" in e for e in broken(lambda d: d.update(schema="x")))
+    assert any("meta.git_commit missing" in e for e in broken(lambda d: d["meta"].pop("git_commit")))
+    assert any("ms_median missing" in e for e in broken(lambda d: d["suites"]["seqlen"]["rows"][0].pop("ms_median")))
+    assert any("ms_min <= ms_median" in e for e in
+               broken(lambda d: d["suites"]["seqlen"]["rows"][0].update(ms_min=5.0)))
+    assert any("n_runs" in e for e in broken(lambda d: d["suites"]["seqlen"]["rows"][0].update(n_runs=3)))
+    assert any("needs a reason" in e for e in
+               broken(lambda d: d["suites"]["seqlen"]["rows"][1].update(status="OOM", reason=None)))
+    assert any("mode" in e for e in broken(lambda d: d["suites"]["seqlen"]["rows"][0].update(mode="both")))
+    assert any("host_ms" in e for e in broken(lambda d: d["suites"]["launch"]["rows"][0].pop("host_ms_median")))
+    assert any("unknown suite" in e for e in broken(lambda d: d["suites"].update(other=d["suites"]["seqlen"])))
+    with pytest.raises(ValueError, match="does not match the schema"):
+        report.check({"schema": "x"})
+
+
+def test_json_is_strict(tmp_path):
+    doc = _gpu_doc()
+    doc["suites"]["seqlen"]["rows"][0]["tflops"] = float("nan")
+    clean = report.document(doc["meta"], doc["suites"])
+    assert clean["suites"]["seqlen"]["rows"][0]["tflops"] is None
+    report.write_json(clean, tmp_path / "x.json")
+    json.loads((tmp_path / "x.json").read_text())
+
+
+def test_tables_and_plot_from_gpu_rows(tmp_path):
+    """The GPU code paths of the table and plot, fed synthetic rows."""
+    from rich.console import Console
+
+    from cuflash.benchmark.plots import plot
+
+    rows, mem = [], []
+    for n in (512, 1024, 2048):
+        for mode in ("fwd", "bwd", "fwd_bwd"):
+            rows += [_row("cuflash", n / 512, mode, n), _row("conventional", n / 128, mode, n),
+                     report.make_row(_row("x", 1, n=n)["shape"], "bfloat16", True, "torch-math", mode, status="OOM",
+                                     reason="CUDA out of memory")]
+        for impl, peak in (("cuflash", 1000 * n), ("conventional", n * n)):
+            mem.append(report.make_row(_row("x", 1, n=n)["shape"], "bfloat16", True, impl, "fwd", peak_bytes=peak))
+    report.add_speedups(rows)
+    report.add_memory_ratios(mem)
+    suites = {
+        "seqlen": {"platform": "gpu", "status": "partial", "reason": None, "seconds": 3.0, "params": {}, "rows": rows},
+        "memory": {"platform": "gpu", "status": "ok", "reason": None, "seconds": 1.0, "params": {}, "rows": mem,
+                   **report.memory_summary(mem, "cuflash", "conventional")},
+    }
+    console = Console(record=True, width=150)
+    report.render(console, suites)
+    text = console.export_text()
+    assert "seqlen (gpu, partial" in text and "(4.00x)" in text and "OOM" in text
+    assert "log-log slope 1.00" in text
+    panels = plot(suites, tmp_path / "g.png", title="test")
+    assert len(panels) == 3 and (tmp_path / "g.png").stat().st_size > 10_000
+
+
+def test_baseline_kernels_compile_for_sm90():
+    """The conventional baseline's softmax kernels compile (NVRTC needs no GPU)."""
+    nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
+    from cuflash._compile import _cuda_include_dirs
+    from cuflash.benchmark.baselines import CONV_NAMES, CONV_SRC
+    from cuflash.benchmark.timing import _SPIN_SRC
+
+    if not _cuda_include_dirs():
+        pytest.skip("no CUDA headers (cuda_fp16.h) found")
+    for src, names in ((CONV_SRC, CONV_NAMES), (_SPIN_SRC, ())):
+        err, prog = nvrtc.nvrtcCreateProgram(src.encode(), b"bench.cu", 0, [], [])
+        for n in names:
+            nvrtc.nvrtcAddNameExpression(prog, n.encode())
+        opts = ["-std=c++17", "-arch=sm_90"] + [f"-I{d}" for d in _cuda_include_dirs()]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+class FakeClock:
+    """Events as host timestamps: lets the timers run on the CPU."""
+
+    name = "fake"
+
+    def event(self):
+        return [0.0]
+
+    def record(self, ev):
+        import time
+
+        ev[0] = time.perf_counter()
+
+    def elapsed_ms(self, a, b):
+        return (b[0] - a[0]) * 1e3
+
+    def sync(self):
+        pass
+
+    def spin(self, ms):
+        pass
+
+
+def test_device_and_host_timers_with_a_fake_clock():
+    calls = [lambda: sum(range(2000)), lambda: sum(range(2000))]
+    dev = timing.time_device(calls, FakeClock(), warmup=2, repeats=12, budget_s=1.0)
+    assert dev["n_runs"] == 12 and dev["ms_min"] <= dev["ms_median"] <= dev["ms_max"]
+    host = timing.time_host(calls, FakeClock(), warmup=1, runs=dev["n_runs"])
+    assert host["host_n_runs"] == 12 and host["host_ms_min"] <= host["host_ms_median"] <= host["host_ms_max"]
+    dev.pop("host_enqueue_ms_est")
+    assert not set(dev) & set(host)  # the launch suite merges both into one row
+    row = report.make_row(_row("x", 1)["shape"], "bfloat16", True, "cuflash", "fwd", **dev, **host)
+    doc = _gpu_doc()
+    doc["suites"]["launch"]["rows"] = [row]
+    assert report.validate(doc) == []
