@@ -1,0 +1,192 @@
+"""Mirror of kernels_cu/flash_fwd.cu (and flash_fwd_simt.cu): the forward kernel in Numba-CUDA.
+
+`make_flash_fwd(cfg)` turns a KernelConfig into a kernel the way the C++ template does: head_dim,
+block_m, block_n, warps, causal and the accumulator type become closure constants, so shared and
+local array shapes are compile-time constants. Launch it exactly like the CUDA kernel:
+
+    grid (ceil(seqlen_q / block_m), nheads, batch), block (warps * 32,)
+    kernel[grid, block](q, k, v, o, lse, softmax_scale, scale_log2)
+
+softmax_scale and scale_log2 should be passed as acc_t scalars (np.float32 / np.float64, as the
+backend does) so that the kernel's arithmetic stays in acc_t; a Python float would promote it.
+
+q (batch, seqlen_q, nheads, head_dim), k and v (batch, seqlen_k, nheads_k, head_dim), o like q and
+lse (batch, nheads, seqlen_q) in the accumulator type; any strides. The sizes come from the array
+shapes (the CUDA kernel reads them from FwdParams). cfg.head_dim is the compiled head dim: the tiles
+are that wide, zero-filled past the arrays' head_dim, which is never read or written in global memory.
+
+Differences from the CUDA kernel. Work layout: tiles live in shared memory in the accumulator type
+(the conversion on load is exact); each thread owns rows and strided columns of acc_s / acc_o
+(thread_layout); the row reductions that CUDA does with warp shuffles go through shared memory
+(softmax.py); P goes through shared memory before O += P V, where CUDA keeps it in registers as the
+next MMA's A operand. Arithmetic: float32 accumulation for 16-bit and float32 inputs, float64 for
+float64, but dot products are summed sequentially (an MMA sums in a tree), P is not rounded to 16 bits
+before P V (the tensor-core kernel rounds it), and the online-softmax correction is
+exp2((old_max - new_max) * scale_log2) (see softmax.py for why). float16 arrays are read as they are;
+bfloat16 ones arrive as float32 copies (cuflash/backends/numba.py: Numba has no bfloat16 array type).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from numba import cuda
+
+from .mask import block_needs_mask, mask_scores, n_block_max
+from .softmax import softmax_finalize, softmax_init, softmax_update
+
+
+def acc_type(dtype: str):
+    """acc_t<T> of common.cuh: float64 for float64 inputs, float32 for the others."""
+    return cuda.float64 if dtype == "float64" else cuda.float32
+
+
+def thread_layout(rows: int, cols: int, nthreads: int) -> tuple[int, int, int, int]:
+    """How a block's threads share a (rows, cols) register tile: (tpr, row_stride, rpt, cpt).
+
+    Thread tid owns rows tid // tpr + i * row_stride (i < rpt) and, in each, columns
+    tid % tpr + j * tpr (j < cpt): tpr threads per row, rpt rows per thread, cpt columns per row.
+    """
+    if nthreads >= rows:
+        if nthreads % rows:
+            raise ValueError(f"{nthreads} threads cannot share {rows} rows evenly")
+        tpr, row_stride, rpt = nthreads // rows, rows, 1
+    else:
+        if rows % nthreads:
+            raise ValueError(f"{rows} rows cannot be shared by {nthreads} threads evenly")
+        tpr, row_stride, rpt = 1, nthreads, rows // nthreads
+    if cols % tpr:
+        raise ValueError(f"{cols} columns cannot be shared by {tpr} threads per row")
+    return tpr, row_stride, rpt, cols // tpr
+
+
+def smem_bytes(cfg) -> int:
+    """Static shared memory of the forward prototype: Q, K, V tiles, P tile, reduction scratch."""
+    tpr = thread_layout(cfg.block_m, cfg.block_n, cfg.threads)[0]
+    d, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
+    return ((bm + 2 * bn) * d + bm * bn + bm * tpr) * (8 if cfg.dtype == "float64" else 4)
+
+
+@cuda.jit(device=True)
+def load_tile(s, g, batch, row0, head, seqlen, head_dim, tid, nthreads):
+    # copy.cuh's tile load (cp.async there): rows row0.. of g[batch, :, head, :] into s, converted to
+    # acc_t. Rows past seqlen and columns past head_dim are zero-filled and never read from g.
+    rows = s.shape[0]
+    cols = s.shape[1]
+    for e in range(tid, rows * cols, nthreads):
+        r = e // cols
+        c = e - r * cols
+        if row0 + r < seqlen and c < head_dim:
+            s[r, c] = g[batch, row0 + r, head, c]
+        else:
+            s[r, c] = 0
+
+
+@functools.lru_cache(maxsize=None)
+def make_flash_fwd(cfg):
+    """The forward kernel for one KernelConfig (any dtype: the 16-bit MMA and SIMT kernels alike)."""
+    HEAD_DIM = cfg.head_dim
+    BLOCK_M = cfg.block_m
+    BLOCK_N = cfg.block_n
+    NTHREADS = cfg.threads
+    IS_CAUSAL = cfg.causal
+    ACC = acc_type(cfg.dtype)
+    TPR, ROW_STRIDE, RPT, S_CPT = thread_layout(BLOCK_M, BLOCK_N, NTHREADS)
+    O_CPT = thread_layout(BLOCK_M, HEAD_DIM, NTHREADS)[3]
+
+    @cuda.jit
+    def flash_fwd(q, k, v, o, lse, softmax_scale, scale_log2):
+        # [1] Block coordinates: m_block, head, batch; causal skips key blocks above the diagonal
+        m_block = cuda.blockIdx.x
+        head = cuda.blockIdx.y
+        batch = cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        seqlen_q = q.shape[1]
+        nheads = q.shape[2]
+        head_dim = q.shape[3]
+        seqlen_k = k.shape[1]
+        nheads_k = k.shape[2]
+        head_k = head // (nheads // nheads_k)  # GQA
+        n_block_end = n_block_max(IS_CAUSAL, BLOCK_M, BLOCK_N, m_block, seqlen_q, seqlen_k)
+        row_begin = m_block * BLOCK_M
+
+        # Thread tid owns rows row0 + i * ROW_STRIDE and columns lane + j * TPR (thread_layout).
+        row0 = tid // TPR
+        lane = tid % TPR
+
+        sQ = cuda.shared.array((BLOCK_M, HEAD_DIM), ACC)
+        sK = cuda.shared.array((BLOCK_N, HEAD_DIM), ACC)
+        sV = cuda.shared.array((BLOCK_N, HEAD_DIM), ACC)
+        sP = cuda.shared.array((BLOCK_M, BLOCK_N), ACC)
+        sRed = cuda.shared.array((BLOCK_M, TPR), ACC)
+
+        acc_s = cuda.local.array((RPT, S_CPT), ACC)
+        acc_o = cuda.local.array((RPT, O_CPT), ACC)
+        row_max = cuda.local.array(RPT, ACC)
+        row_sum = cuda.local.array(RPT, ACC)
+        tile_max = cuda.local.array(RPT, ACC)
+        lse_rows = cuda.local.array(RPT, ACC)
+        for i in range(RPT):
+            for j in range(O_CPT):
+                acc_o[i, j] = 0
+        softmax_init(row_max, row_sum)
+
+        # [2] Load the Q tile
+        load_tile(sQ, q, batch, row_begin, head, seqlen_q, head_dim, tid, NTHREADS)
+
+        # Key blocks in decreasing order, as in the CUDA kernel: the blocks that need masking (tail,
+        # diagonal) come first.
+        for n_block in range(n_block_end - 1, -1, -1):
+            key0 = n_block * BLOCK_N
+            cuda.syncthreads()  # the previous block is done with sK, sV, sP (and sQ is visible)
+            load_tile(sK, k, batch, key0, head_k, seqlen_k, head_dim, tid, NTHREADS)
+            load_tile(sV, v, batch, key0, head_k, seqlen_k, head_dim, tid, NTHREADS)
+            cuda.syncthreads()
+
+            # [3] S = Q K^T
+            for i in range(RPT):
+                r = row0 + i * ROW_STRIDE
+                for j in range(S_CPT):
+                    c = lane + j * TPR
+                    s = ACC(0)
+                    for d in range(HEAD_DIM):  # CUDA: mma.sync
+                        s += sQ[r, d] * sK[c, d]
+                    acc_s[i, j] = s
+
+            # [4] Mask the sequence tail and the causal diagonal
+            # acc_s[i, j]: query row row_begin + row0 + i * ROW_STRIDE, key key0 + lane + j * TPR
+            if block_needs_mask(IS_CAUSAL, BLOCK_M, BLOCK_N, m_block, n_block, seqlen_q, seqlen_k):
+                mask_scores(IS_CAUSAL, acc_s, row_begin + row0, ROW_STRIDE, key0 + lane, TPR, seqlen_q, seqlen_k)
+
+            # [5] Online softmax: update row_max, rescale acc_o and row_sum, P = exp2(S * scale_log2 - row_max * scale_log2)
+            softmax_update(acc_s, acc_o, row_max, row_sum, tile_max, sRed, row0, ROW_STRIDE, lane, TPR, scale_log2)
+            for i in range(RPT):
+                for j in range(S_CPT):
+                    sP[row0 + i * ROW_STRIDE, lane + j * TPR] = acc_s[i, j]
+            cuda.syncthreads()
+
+            # [6] O += P V
+            for i in range(RPT):
+                r = row0 + i * ROW_STRIDE
+                for j in range(O_CPT):
+                    c = lane + j * TPR
+                    a = acc_o[i, j]
+                    for n in range(BLOCK_N):  # CUDA: mma.sync
+                        a += sP[r, n] * sV[n, c]
+                    acc_o[i, j] = a
+
+        # [7] Finalize: O /= row_sum, LSE = row_max * softmax_scale + log(row_sum); rows that saw no key give O = 0, LSE = -inf
+        softmax_finalize(acc_o, row_max, row_sum, lse_rows, sRed, row0, ROW_STRIDE, lane, TPR, softmax_scale)
+
+        # [8] Store O and LSE
+        for i in range(RPT):
+            row = row_begin + row0 + i * ROW_STRIDE
+            if row < seqlen_q:
+                for j in range(O_CPT):
+                    c = lane + j * TPR
+                    if c < head_dim:
+                        o[batch, row, head, c] = acc_o[i, j]
+                if lane == 0:
+                    lse[batch, head, row] = lse_rows[i]
+
+    return flash_fwd

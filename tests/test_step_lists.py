@@ -1,0 +1,131 @@
+"""The numbered step comments that tie the kernels, their Numba prototypes and the NumPy backend together.
+
+C++ `// [N] text` and Python `# [N] text` lines are extracted in file order and compared: a reader can
+hold kernels_cu/flash_fwd.cu and cuflash/proto/flash_fwd.py side by side and find the same steps, in
+the same order, with the same words. The texts are the contract's (fixed); a missing file fails.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS = ROOT / "kernels_cu"
+PROTO = ROOT / "cuflash" / "proto"
+
+FWD_STEPS = [
+    (1, "Block coordinates: m_block, head, batch; causal skips key blocks above the diagonal"),
+    (2, "Load the Q tile"),
+    (3, "S = Q K^T"),
+    (4, "Mask the sequence tail and the causal diagonal"),
+    (5, "Online softmax: update row_max, rescale acc_o and row_sum, P = exp2(S * scale_log2 - row_max * scale_log2)"),
+    (6, "O += P V"),
+    (7, "Finalize: O /= row_sum, LSE = row_max * softmax_scale + log(row_sum); rows that saw no key give O = 0, "
+        "LSE = -inf"),
+    (8, "Store O and LSE"),
+]
+BWD_STEPS = [
+    (1, "Preprocess: D = rowsum(dO * O)"),
+    (2, "dK/dV block coordinates: n_block, kv head, batch; causal skips query blocks above the diagonal"),
+    (3, "Load the Q, dO tiles and LSE, D rows of one query block"),
+    (4, "Recompute S = Q K^T, mask, P = exp2(S * scale_log2 - LSE * log2(e))"),
+    (5, "dV += P^T dO"),
+    (6, "dP = dO V^T"),
+    (7, "dS = P * (dP - D)"),
+    (8, "dK += dS^T Q"),
+    (9, "Store dK * softmax_scale and dV"),
+    (10, "dQ block coordinates: m_block, head, batch; causal skips key blocks above the diagonal"),
+    (11, "Recompute S, P and dS = P * (dO V^T - D) for one key block"),
+    (12, "dQ += dS K"),
+    (13, "Store dQ * softmax_scale"),
+]
+
+_CPP = re.compile(r"^\s*//\s*\[(\d+)\]\s+(.*?)\s*$")
+_PY = re.compile(r"^\s*#\s*\[(\d+)\]\s+(.*?)\s*$")
+
+
+def steps(path: Path) -> list[tuple[int, str]]:
+    """The (N, text) step comments of a file, in order. A missing file fails the calling test."""
+    assert path.is_file(), f"{path.relative_to(ROOT)} does not exist"
+    pattern = _CPP if path.suffix in (".cu", ".cuh") else _PY
+    out = []
+    for line in path.read_text().splitlines():
+        m = pattern.match(line)
+        if m:
+            out.append((int(m.group(1)), m.group(2)))
+    return out
+
+
+def _fmt(lst):
+    return "\n".join(f"  [{n}] {t}" for n, t in lst) or "  (none)"
+
+
+def assert_same(a: Path, b: Path, *, drop=(), nonempty=True):
+    sa = [s for s in steps(a) if s[0] not in drop]
+    sb = steps(b)
+    if nonempty:
+        assert sa, f"{a.relative_to(ROOT)} has no step comments"
+    assert sa == sb, (f"step comments differ\n{a.relative_to(ROOT)}:\n{_fmt(sa)}\n"
+                      f"{b.relative_to(ROOT)}:\n{_fmt(sb)}")
+
+
+@pytest.mark.parametrize("path,expected", [
+    (KERNELS / "flash_fwd.cu", FWD_STEPS),
+    (KERNELS / "flash_fwd_simt.cu", FWD_STEPS),
+    (PROTO / "flash_fwd.py", FWD_STEPS),
+    (KERNELS / "flash_bwd.cu", BWD_STEPS),
+    (KERNELS / "flash_bwd_simt.cu", BWD_STEPS[1:]),
+    (PROTO / "flash_bwd.py", BWD_STEPS),
+], ids=lambda x: x.name if isinstance(x, Path) else "")
+def test_contract_steps(path, expected):
+    """Every kernel file carries exactly the contract's steps, each once, in order."""
+    got = steps(path)
+    assert got == expected, f"{path.relative_to(ROOT)}:\n{_fmt(got)}\nexpected:\n{_fmt(expected)}"
+
+
+@pytest.mark.parametrize("cpp,py", [
+    ("flash_fwd.cu", "flash_fwd.py"),
+    ("flash_bwd.cu", "flash_bwd.py"),
+    ("mask.cuh", "mask.py"),
+    ("softmax.cuh", "softmax.py"),
+])
+def test_prototype_mirrors_kernel(cpp, py):
+    assert_same(KERNELS / cpp, PROTO / py, nonempty=cpp.endswith(".cu"))
+
+
+def test_simt_forward_mirrors_tensor_core_forward():
+    assert_same(KERNELS / "flash_fwd.cu", KERNELS / "flash_fwd_simt.cu")
+
+
+def test_simt_backward_mirrors_tensor_core_backward():
+    # flash_bwd_simt.cu has no step [1]: the preprocess kernel of flash_bwd.cu serves every dtype.
+    assert_same(KERNELS / "flash_bwd.cu", KERNELS / "flash_bwd_simt.cu", drop=(1,))
+
+
+def test_numpy_backend_steps_are_a_subsequence():
+    """cuflash/backends/numpy.py may skip steps (it has no tiles to load) but not reorder or reword."""
+    ref = steps(KERNELS / "flash_fwd.cu") + steps(KERNELS / "flash_bwd.cu")
+    got = steps(ROOT / "cuflash" / "backends" / "numpy.py")
+    assert got, "cuflash/backends/numpy.py has no step comments"
+    it = iter(ref)
+    missing = [s for s in got if s not in it]  # consumes `it`: an in-order subsequence test
+    assert not missing, f"not in order in flash_fwd.cu + flash_bwd.cu:\n{_fmt(missing)}\nnumpy.py:\n{_fmt(got)}"
+
+
+def test_prototype_mma_markers():
+    """Each tensor-core MMA of the kernels is a per-thread FMA loop marked `# CUDA: mma.sync`."""
+    for name, at_least in (("flash_fwd.py", 2), ("flash_bwd.py", 6)):
+        n = (PROTO / name).read_text().count("# CUDA: mma.sync")
+        assert n >= at_least, f"{name}: {n} `# CUDA: mma.sync` markers, expected >= {at_least}"
+
+
+def test_prototype_mask_names():
+    """proto/mask.py defines mask.cuh's block rules under the same names."""
+    cuh = (KERNELS / "mask.cuh").read_text()
+    py = (PROTO / "mask.py").read_text()
+    for name in ("col_limit", "n_block_max", "m_block_min", "block_needs_mask", "mask_scores"):
+        assert re.search(rf"\b{name}\s*\(", cuh), f"mask.cuh has no {name}"
+        assert re.search(rf"^def {name}\(", py, re.M), f"proto/mask.py has no {name}"
