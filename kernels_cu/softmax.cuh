@@ -29,7 +29,7 @@ struct OnlineSoftmax {
     // acc_s: raw scores of one key block, masked entries -inf; replaced by P = exp2(S * scale_log2 -
     // row_max * scale_log2). acc_o rows and row_sum are rescaled by exp2((old_max - new_max) * scale_log2).
     // A row with no visible key so far keeps row_max = -inf: its exp2 offset is taken as 0 so that
-    // -inf scores give P = 0 and the correction is exp2(-inf) = 0 (acc_o and row_sum are 0 anyway).
+    // -inf scores give P = 0 and the correction 1 (acc_o and row_sum are 0 anyway).
     template <int kNTiles, int kNTilesO>
     __device__ __forceinline__ void update(float (&acc_s)[kMTiles][kNTiles][4], float (&acc_o)[kMTiles][kNTilesO][4],
                                            float scale_log2) {
@@ -43,7 +43,9 @@ struct OnlineSoftmax {
                 for (int ni = 0; ni < kNTiles; ++ni) m = fmaxf(m, fmaxf(acc_s[mi][ni][2 * h], acc_s[mi][ni][2 * h + 1]));
                 m = warp_allreduce_max<4>(m);
                 const float m_scaled = (m == neg_inf<float>()) ? 0.f : m * scale_log2;
-                const float correction = exp2f(row_max[r] * scale_log2 - m_scaled);
+                // (old - new) first: exactly 1 when the max did not move (an FMA of the two products
+                // would not be, and its error would pile up over key blocks).
+                const float correction = (m == neg_inf<float>()) ? 1.f : exp2f((row_max[r] - m) * scale_log2);
                 row_max[r] = m;
                 float sum = row_sum[r] * correction;
 #pragma unroll

@@ -1,0 +1,606 @@
+// Backward attention on CUDA cores (FFMA / DFMA) for float32 and float64 inputs: the algorithm of
+// flash_bwd.cu with per-thread FMA loops in place of mma.sync, accumulating in acc_t<T> (== T here).
+// The preprocess kernel (D = rowsum(dO * O), flash_bwd.cu) serves every dtype and has run before
+// these two; they read D from p.dsum. Deterministic by construction: no atomics, no N x N buffer.
+//   flash_bwd_dkdv_simt: one block per (n_block, kv head, batch) keeps its dK, dV tile in registers
+//     across every query head of its group and every query block that sees it.
+//   flash_bwd_dq_simt: one block per (m_block, head, batch) keeps its dQ tile in registers across
+//     the key blocks.
+//
+// Thread layout: tx = tid % 8, ty = tid / 8, kThreadsM = threads / 8. An S / dP tile element
+// (row ty + i * kThreadsM, key column tx + 8 * j) belongs to one thread, as in flash_fwd_simt.cu.
+// Output tiles (dK, dV: kBlockN x head dim; dQ: kBlockM x head dim) give each thread the head-dim
+// vectors (8 * g + tx) * kVec .. + kVec - 1 of a few rows: dK / dV rows ty * kKRows + i
+// (contiguous, so their P / dS column is one vector load), dQ rows ty + i * kThreadsM.
+//
+// Shared memory (dynamic; config.smem_bytes must match kSmemBytes), kStride = kHeadDim + 16 bytes,
+// kPStride = kBlockN + 8 elements (see flash_fwd_simt.cu for why):
+//   dkdv: q_s, do_s [kBlockM][kStride]; k_s, v_s [kBlockN][kStride]; p_s, ds_s [kBlockM][kPStride];
+//         lse_s, dsum_s [kBlockM]
+//   dq:   q_s, do_s [kBlockM][kStride]; k_s, v_s [kBlockN][kStride]; ds_s [kBlockM][kPStride];
+//         lse_s, dsum_s [kBlockM]
+//
+// Tiles arrive by cp.async as in flash_fwd_simt.cu; the next query block's dO (dkdv) or the next
+// key block's V (dq) is in flight during the dK (dQ) product, its Q (K) right after.
+//
+// Accuracy: each gradient sum runs in two levels, a fresh per-tile partial (FMA) folded once per
+// tile into the running sum; for float the fold is Kahan-compensated. S and dP sum head_dim
+// products in partials of 8 (see flash_fwd_simt.cu).
+#include "common.cuh"
+#include "mask.cuh"
+#include "params.cuh"
+
+namespace cuflash {
+namespace simt_bwd {
+
+// ---- small helpers (this translation unit only) ------------------------------------------------
+
+__device__ __forceinline__ float fma_acc(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+__device__ __forceinline__ double fma_acc(double a, double b, double c) { return __fma_rn(a, b, c); }
+
+// acc = acc * alpha + part, compensated for float (comp carries minus the lost low-order part;
+// the intrinsics keep the compiler from contracting the compensation away).
+__device__ __forceinline__ void fold(float& acc, float& comp, float alpha, float part) {
+    const float a = __fmul_rn(acc, alpha);
+    const float y = __fsub_rn(part, __fmul_rn(comp, alpha));
+    const float t = __fadd_rn(a, y);
+    comp = __fsub_rn(__fsub_rn(t, a), y);
+    acc = t;
+}
+__device__ __forceinline__ void fold(double& acc, double& /*comp*/, double alpha, double part) {
+    acc = __fma_rn(acc, alpha, part);
+}
+__device__ __forceinline__ float resolve(float acc, float comp) { return __fsub_rn(acc, comp); }
+__device__ __forceinline__ double resolve(double acc, double /*comp*/) { return acc; }
+
+// 16-byte vectors.
+template <typename T> struct Vec16;
+template <> struct Vec16<float> { using type = float4; };
+template <> struct Vec16<double> { using type = double2; };
+__device__ __forceinline__ void unpack(const float4& v, float* d) { d[0] = v.x; d[1] = v.y; d[2] = v.z; d[3] = v.w; }
+__device__ __forceinline__ void unpack(const double2& v, double* d) { d[0] = v.x; d[1] = v.y; }
+__device__ __forceinline__ float4 pack16(const float* s) { return make_float4(s[0], s[1], s[2], s[3]); }
+__device__ __forceinline__ double2 pack16(const double* s) { return make_double2(s[0], s[1]); }
+
+// kN contiguous elements of shared memory into registers; src must be aligned to the access
+// width used (16 bytes when kN * sizeof(T) is a multiple of 16, else 8, else the element).
+template <int kN, typename T>
+__device__ __forceinline__ void lds(T* dst, const T* src) {
+    constexpr int kBytes = kN * int(sizeof(T));
+    if constexpr (kBytes % 16 == 0) {
+        constexpr int kPer = 16 / int(sizeof(T));
+        using V = typename Vec16<T>::type;
+#pragma unroll
+        for (int v = 0; v < kN / kPer; ++v) unpack(reinterpret_cast<const V*>(src)[v], dst + v * kPer);
+    } else if constexpr (kBytes % 8 == 0 && sizeof(T) == 4) {
+#pragma unroll
+        for (int v = 0; v < kN / 2; ++v) {
+            const float2 x = reinterpret_cast<const float2*>(src)[v];
+            dst[2 * v] = x.x;
+            dst[2 * v + 1] = x.y;
+        }
+    } else {
+#pragma unroll
+        for (int v = 0; v < kN; ++v) dst[v] = src[v];
+    }
+}
+
+__device__ __forceinline__ bool aligned16(const void* ptr, long long row_stride, int elem_bytes) {
+    return ((reinterpret_cast<unsigned long long>(ptr) |
+             static_cast<unsigned long long>(row_stride) * static_cast<unsigned long long>(elem_bytes)) & 15ull) == 0;
+}
+
+// cp.async (sm_80+): global -> shared without staging registers. With src_bytes = 0 nothing is
+// read and the destination is zero-filled (the source address is then only a placeholder, and we
+// pass one inside the tensor).
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+template <int kBytes>
+__device__ __forceinline__ void cp_async_small(void* dst, const void* src, bool valid) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(s), "l"(src), "n"(kBytes), "r"(valid ? kBytes : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Wait until at most kPending of this thread's committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory"); }
+
+// Issue (not wait for) the copy of rows [0, kRows) x columns [0, kHeadDim) of a [row][dim] slab
+// (g: its row 0, which must be a valid row; row_stride in elements) into s (row stride kStride).
+// Rows >= nrows and columns >= head_dim are zero-filled and never read from global memory.
+template <typename T, int kRows, int kHeadDim, int kStride, int kNThreads>
+__device__ __forceinline__ void load_tile(T* s, const T* g, long long row_stride, int nrows, int head_dim) {
+    constexpr int kVec = 16 / int(sizeof(T));
+    const int tid = threadIdx.x;
+    if (aligned16(g, row_stride, sizeof(T)) && head_dim % kVec == 0) {
+        // Not unrolled: the copies are asynchronous anyway, and unrolled address arithmetic would
+        // be hoisted out of the callers' loops into registers the accumulators need.
+        constexpr int kPerRow = kHeadDim / kVec;
+        constexpr int kTotal = kRows * kPerRow;
+#pragma unroll 1
+        for (int idx = tid; idx < kTotal; idx += kNThreads) {
+            const int r = idx / kPerRow, c = (idx % kPerRow) * kVec;
+            const bool valid = r < nrows && c < head_dim;
+            cp_async_16(s + r * kStride + c, valid ? g + r * row_stride + c : g, valid);
+        }
+    } else {
+        // Rows not 16-byte aligned (a strided view): element by element.
+        constexpr int kTotal = kRows * kHeadDim;
+#pragma unroll 1
+        for (int idx = tid; idx < kTotal; idx += kNThreads) {
+            const int r = idx / kHeadDim, c = idx % kHeadDim;
+            const bool valid = r < nrows && c < head_dim;
+            cp_async_small<int(sizeof(T))>(s + r * kStride + c, valid ? g + r * row_stride + c : g, valid);
+        }
+    }
+}
+
+// acc[i][j] = sum_{k < head_dim} a_s[row i][k] * b_s[row j][k] for this thread's rows
+// ty + i * kThreadsM of a_s and rows tx + 8 * j of b_s. Two-level: a fresh FMA partial per 8 floats
+// (4 doubles) of k, added to acc. Against one FMA chain over k this cuts the fp32 dot product's
+// rounding error about 2.4x at head_dim 192 (S errors dominate fp32 output errors at small N; the
+// emulated fp32 forward error at d = 192, N = 40 fell from 1.1e-6 to 4.3e-7) for one extra add per
+// 8 FMAs. head_dim is a multiple of 8 (else zero-filled columns up to the next multiple are read).
+template <typename A, int kRows, int kCols, int kThreadsM, int kStride>
+__device__ __forceinline__ void dot_tile(A (&acc)[kRows][kCols], const A* a_s, const A* b_s, int ty, int tx,
+                                         int head_dim) {
+    constexpr int kVec = 16 / int(sizeof(A));
+    constexpr int kBlockK = 2 * kVec;  // 8 floats or 4 doubles: divides head_dim (a multiple of 8)
+#pragma unroll
+    for (int i = 0; i < kRows; ++i)
+#pragma unroll
+        for (int j = 0; j < kCols; ++j) acc[i][j] = A(0);
+    const A* a = a_s + ty * kStride;
+    const A* b = b_s + tx * kStride;
+#pragma unroll 1
+    for (int k0 = 0; k0 < head_dim; k0 += kBlockK) {
+        A part[kRows][kCols];
+#pragma unroll
+        for (int kk = 0; kk < kBlockK; kk += kVec) {
+            A av[kRows][kVec], bv[kCols][kVec];
+#pragma unroll
+            for (int i = 0; i < kRows; ++i) lds<kVec>(av[i], a + i * kThreadsM * kStride + k0 + kk);
+#pragma unroll
+            for (int j = 0; j < kCols; ++j) lds<kVec>(bv[j], b + j * 8 * kStride + k0 + kk);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e)
+#pragma unroll
+                for (int i = 0; i < kRows; ++i)
+#pragma unroll
+                    for (int j = 0; j < kCols; ++j)
+                        part[i][j] = kk + e == 0 ? av[i][e] * bv[j][e] : fma_acc(av[i][e], bv[j][e], part[i][j]);
+        }
+#pragma unroll
+        for (int i = 0; i < kRows; ++i)
+#pragma unroll
+            for (int j = 0; j < kCols; ++j) acc[i][j] += part[i][j];
+    }
+}
+
+// Largest divisor c of groups with c * bytes_per_group <= budget (at least 1).
+__host__ __device__ constexpr int pick_chunk(int groups, int bytes_per_group, int budget) {
+    int best = 1;
+    for (int c = 1; c <= groups; ++c)
+        if (groups % c == 0 && c * bytes_per_group <= budget) best = c;
+    return best;
+}
+
+
+// LSE and D of query rows [row0, row0 + kBlockM) into shared memory. lse_s holds LSE * log2(e), so
+// that P = exp2(S * scale_log2 - lse_s). A row past seqlen_q, or one with LSE = -inf (it saw no
+// key), gets +inf there: its P is exactly 0 (never exp2(+inf), never inf - inf), and D = 0.
+template <typename A, int kBlockM, int kNThreads>
+__device__ __forceinline__ void load_rows(A* lse_s, A* dsum_s, const A* lse, const A* dsum, int row0, int seqlen_q) {
+    for (int r = threadIdx.x; r < kBlockM; r += kNThreads) {
+        const int row = row0 + r;
+        A l = -neg_inf<A>(), d = A(0);
+        if (row < seqlen_q) {
+            const A x = lse[row];
+            if (x != neg_inf<A>()) l = x * static_cast<A>(1.4426950408889634);
+            d = dsum[row];
+        }
+        lse_s[r] = l;
+        dsum_s[r] = d;
+    }
+}
+
+// S (this thread's elements, from dot_tile) -> P: masked entries (tail, causal) become -inf first,
+// then P = exp2(S * scale_log2 - lse_s[row]), which is 0 for them.
+template <bool kIsCausal, int kBlockM, int kBlockN, int kRows, int kCols, int kThreadsM, typename A>
+__device__ __forceinline__ void scores_to_p(A (&acc_s)[kRows][kCols], const A* lse_s, A scale_log2, int m_block,
+                                            int n_block, int seqlen_q, int seqlen_k, int ty, int tx) {
+    if (block_needs_mask<kIsCausal, kBlockM, kBlockN>(m_block, n_block, seqlen_q, seqlen_k)) {
+#pragma unroll
+        for (int i = 0; i < kRows; ++i) {
+            const int limit = col_limit<kIsCausal>(m_block * kBlockM + ty + i * kThreadsM, seqlen_q, seqlen_k);
+#pragma unroll
+            for (int j = 0; j < kCols; ++j)
+                if (n_block * kBlockN + tx + j * 8 >= limit) acc_s[i][j] = neg_inf<A>();
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+        const A lse_log2 = lse_s[ty + i * kThreadsM];
+#pragma unroll
+        for (int j = 0; j < kCols; ++j) acc_s[i][j] = fast_exp2(fma_acc(acc_s[i][j], scale_log2, -lse_log2));
+    }
+}
+
+// acc[i][.] += sum_{r < kM} a_s[r][ty * kRows + i] * b_s[r][head-dim vectors of this thread]
+// (A operand transposed: P^T dO, dS^T Q). Per chunk of kChunk vectors a fresh partial over the
+// kM rows, then one (compensated) fold into acc.
+template <typename A, int kRows, int kGroups, int kChunk, int kM, int kAStride, int kBStride>
+__device__ __forceinline__ void gemm_tn(A (&acc)[kRows][kGroups * (16 / sizeof(A))],
+                                        A (&comp)[kRows][kGroups * (16 / sizeof(A))], const A* a_s, const A* b_s,
+                                        int ty, int tx) {
+    constexpr int kVec = 16 / int(sizeof(A));
+#pragma unroll
+    for (int g0 = 0; g0 < kGroups; g0 += kChunk) {
+        A part[kRows][kChunk * kVec];
+#pragma unroll
+        for (int i = 0; i < kRows; ++i)
+#pragma unroll
+            for (int c = 0; c < kChunk * kVec; ++c) part[i][c] = A(0);
+#pragma unroll 1
+        for (int r = 0; r < kM; ++r) {
+            A av[kRows];
+            lds<kRows>(av, a_s + r * kAStride + ty * kRows);
+#pragma unroll
+            for (int g = 0; g < kChunk; ++g) {
+                A bv[kVec];
+                lds<kVec>(bv, b_s + r * kBStride + ((g0 + g) * 8 + tx) * kVec);
+#pragma unroll
+                for (int i = 0; i < kRows; ++i)
+#pragma unroll
+                    for (int e = 0; e < kVec; ++e) part[i][g * kVec + e] = fma_acc(av[i], bv[e], part[i][g * kVec + e]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < kRows; ++i)
+#pragma unroll
+            for (int c = 0; c < kChunk * kVec; ++c) fold(acc[i][g0 * kVec + c], comp[i][g0 * kVec + c], A(1), part[i][c]);
+    }
+}
+
+// acc[i][.] += sum_{j < kN} a_s[ty + i * kThreadsM][j] * b_s[j][head-dim vectors of this thread]
+// (dS K), two-level as in gemm_tn.
+template <typename A, int kRows, int kGroups, int kChunk, int kN, int kThreadsM, int kAStride, int kBStride>
+__device__ __forceinline__ void gemm_nn(A (&acc)[kRows][kGroups * (16 / sizeof(A))],
+                                        A (&comp)[kRows][kGroups * (16 / sizeof(A))], const A* a_s, const A* b_s,
+                                        int ty, int tx) {
+    constexpr int kVec = 16 / int(sizeof(A));
+#pragma unroll
+    for (int g0 = 0; g0 < kGroups; g0 += kChunk) {
+        A part[kRows][kChunk * kVec];
+#pragma unroll
+        for (int i = 0; i < kRows; ++i)
+#pragma unroll
+            for (int c = 0; c < kChunk * kVec; ++c) part[i][c] = A(0);
+#pragma unroll 1
+        for (int j = 0; j < kN; j += kVec) {
+            A av[kRows][kVec];
+#pragma unroll
+            for (int i = 0; i < kRows; ++i) lds<kVec>(av[i], a_s + (ty + i * kThreadsM) * kAStride + j);
+#pragma unroll
+            for (int jj = 0; jj < kVec; ++jj) {
+#pragma unroll
+                for (int g = 0; g < kChunk; ++g) {
+                    A bv[kVec];
+                    lds<kVec>(bv, b_s + (j + jj) * kBStride + ((g0 + g) * 8 + tx) * kVec);
+#pragma unroll
+                    for (int i = 0; i < kRows; ++i)
+#pragma unroll
+                        for (int e = 0; e < kVec; ++e)
+                            part[i][g * kVec + e] = fma_acc(av[i][jj], bv[e], part[i][g * kVec + e]);
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < kRows; ++i)
+#pragma unroll
+            for (int c = 0; c < kChunk * kVec; ++c) fold(acc[i][g0 * kVec + c], comp[i][g0 * kVec + c], A(1), part[i][c]);
+    }
+}
+
+// Store rows of an output tile from registers: val[i][g * kVec + e] goes to row rows[i] (skipped
+// when >= nrows), head-dim column (8 * g + tx) * kVec + e (skipped when >= head_dim), times scale.
+template <typename T, typename A, int kRows, int kGroups>
+__device__ __forceinline__ void store_rows(T* g, long long row_stride, const int (&rows)[kRows], int nrows,
+                                           int head_dim, int tx, const A (&acc)[kRows][kGroups * (16 / sizeof(A))],
+                                           const A (&comp)[kRows][kGroups * (16 / sizeof(A))], A scale) {
+    constexpr int kVec = 16 / int(sizeof(T));
+    const bool vec = aligned16(g, row_stride, sizeof(T)) && head_dim % kVec == 0;
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+        if (rows[i] >= nrows) continue;
+        T* row = g + static_cast<long long>(rows[i]) * row_stride;
+#pragma unroll
+        for (int gi = 0; gi < kGroups; ++gi) {
+            const int col = (gi * 8 + tx) * kVec;
+            T out[kVec];
+#pragma unroll
+            for (int e = 0; e < kVec; ++e)
+                out[e] = from_acc<T>(resolve(acc[i][gi * kVec + e], comp[i][gi * kVec + e]) * scale);
+            if (vec) {
+                if (col < head_dim) *reinterpret_cast<typename Vec16<T>::type*>(row + col) = pack16(out);
+            } else {
+#pragma unroll
+                for (int e = 0; e < kVec; ++e)
+                    if (col + e < head_dim) row[col + e] = out[e];
+            }
+        }
+    }
+}
+
+}  // namespace simt_bwd
+
+// Launch bounds with minBlocks = 1: without it ptxas trims registers to the next occupancy step
+// (128 or 168) even at the price of spills, which the compile gate forbids.
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+__global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
+    using namespace simt_bwd;
+    using A = acc_t<T>;
+    static_assert(sizeof(A) == sizeof(T), "the SIMT kernels take float or double");
+    constexpr int kNThreads = kNWarps * 32;
+    constexpr int kVec = 16 / int(sizeof(T));
+    constexpr int kStride = kHeadDim + kVec;
+    constexpr int kPStride = kBlockN + 8;
+    constexpr int kThreadsM = kNThreads / 8;
+    constexpr int kSRows = kBlockM / kThreadsM;   // S / dP rows per thread
+    constexpr int kSCols = kBlockN / 8;           // S / dP columns per thread
+    constexpr int kKRows = kBlockN / kThreadsM;   // dK / dV rows per thread
+    constexpr int kGroups = kHeadDim / (8 * kVec);
+    constexpr int kChunk = pick_chunk(kGroups, kKRows * kVec * int(sizeof(A)), 64);
+    constexpr int kSmemBytes =
+        (2 * kBlockM * kStride + 2 * kBlockN * kStride + 2 * kBlockM * kPStride + 2 * kBlockM) * int(sizeof(T));
+    static_assert(kSRows >= 1 && kBlockM % kThreadsM == 0, "kBlockM must be a multiple of kNWarps * 4");
+    static_assert(kKRows >= 1 && kBlockN % kThreadsM == 0, "kBlockN must be a multiple of kNWarps * 4");
+    static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16");
+    static_assert(kHeadDim % (8 * kVec) == 0, "kHeadDim must be a multiple of 32");
+
+    extern __shared__ __align__(16) char smem[];
+    {
+        unsigned dyn_smem;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+        if (dyn_smem < unsigned(kSmemBytes)) __trap();
+    }
+    T* q_s = reinterpret_cast<T*>(smem);
+    T* do_s = q_s + kBlockM * kStride;
+    T* k_s = do_s + kBlockM * kStride;
+    T* v_s = k_s + kBlockN * kStride;
+    A* p_s = reinterpret_cast<A*>(v_s + kBlockN * kStride);
+    A* ds_s = p_s + kBlockM * kPStride;
+    A* lse_s = ds_s + kBlockM * kPStride;
+    A* dsum_s = lse_s + kBlockM;
+
+    const int tid = threadIdx.x;
+    const int tx = tid % 8;
+    const int ty = tid / 8;
+    const FwdParams& f = p.fwd;
+
+    // [2] dK/dV block coordinates: n_block, kv head, batch; causal skips query blocks above the diagonal
+    const int n_block = blockIdx.x;
+    const int kv_head = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int group = f.nheads / f.nheads_k;
+    const int seqlen_q = f.seqlen_q, seqlen_k = f.seqlen_k, head_dim = f.head_dim;
+    const int m_block_begin = m_block_min<kIsCausal, kBlockM, kBlockN>(n_block, seqlen_q, seqlen_k);
+    const int n_mblocks = max(ceil_div(seqlen_q, kBlockM) - m_block_begin, 0);
+    const int n_iters = group * n_mblocks;  // (query head of the group, query block) pairs
+    const long long key0 = static_cast<long long>(n_block) * kBlockN;
+    const T* k = static_cast<const T*>(f.k) + batch * f.k_batch_stride + kv_head * f.k_head_stride + key0 * f.k_row_stride;
+    const T* v = static_cast<const T*>(f.v) + batch * f.v_batch_stride + kv_head * f.v_head_stride + key0 * f.v_row_stride;
+    const T* q_b = static_cast<const T*>(f.q) + batch * f.q_batch_stride;
+    const T* do_b = static_cast<const T*>(p.dout) + batch * p.do_batch_stride;
+    const A* lse_b = static_cast<const A*>(f.lse) + batch * f.lse_batch_stride;
+    const A* dsum_b = static_cast<const A*>(p.dsum) + batch * p.dsum_batch_stride;
+
+    // [3] Load the Q, dO tiles and LSE, D rows of one query block
+    // Iteration it covers query head kv_head * group + it / n_mblocks and query block
+    // m_block_begin + it % n_mblocks. Block 0 is issued here, block it + 1 during block it.
+    auto load_q = [&](int it) {
+        const int h = kv_head * group + it / n_mblocks, row0 = (m_block_begin + it % n_mblocks) * kBlockM;
+        load_tile<T, kBlockM, kHeadDim, kStride, kNThreads>(
+            q_s, q_b + h * f.q_head_stride + static_cast<long long>(row0) * f.q_row_stride, f.q_row_stride,
+            seqlen_q - row0, head_dim);
+    };
+    auto load_do_rows = [&](int it) {
+        const int h = kv_head * group + it / n_mblocks, row0 = (m_block_begin + it % n_mblocks) * kBlockM;
+        load_tile<T, kBlockM, kHeadDim, kStride, kNThreads>(
+            do_s, do_b + h * p.do_head_stride + static_cast<long long>(row0) * p.do_row_stride, p.do_row_stride,
+            seqlen_q - row0, head_dim);
+        load_rows<A, kBlockM, kNThreads>(lse_s, dsum_s, lse_b + h * f.lse_head_stride, dsum_b + h * p.dsum_head_stride,
+                                         row0, seqlen_q);
+    };
+    load_tile<T, kBlockN, kHeadDim, kStride, kNThreads>(k_s, k, f.k_row_stride, seqlen_k - n_block * kBlockN, head_dim);
+    load_tile<T, kBlockN, kHeadDim, kStride, kNThreads>(v_s, v, f.v_row_stride, seqlen_k - n_block * kBlockN, head_dim);
+    if (n_iters > 0) {
+        load_q(0);
+        load_do_rows(0);
+    }
+    cp_async_commit();
+
+    const A scale_log2 = static_cast<A>(f.scale_log2);
+    A acc_dk[kKRows][kGroups * kVec], acc_dk_comp[kKRows][kGroups * kVec];
+    A acc_dv[kKRows][kGroups * kVec], acc_dv_comp[kKRows][kGroups * kVec];
+#pragma unroll
+    for (int i = 0; i < kKRows; ++i)
+#pragma unroll
+        for (int c = 0; c < kGroups * kVec; ++c) acc_dk[i][c] = acc_dk_comp[i][c] = acc_dv[i][c] = acc_dv_comp[i][c] = A(0);
+
+    for (int it = 0; it < n_iters; ++it) {
+        const int m_block = m_block_begin + it % n_mblocks;
+        cp_async_wait<0>();
+        __syncthreads();  // this block's Q, dO, LSE, D (and K, V) are in shared memory
+
+        // [4] Recompute S = Q K^T, mask, P = exp2(S * scale_log2 - LSE * log2(e))
+        A acc_s[kSRows][kSCols];
+        dot_tile<A, kSRows, kSCols, kThreadsM, kStride>(acc_s, q_s, k_s, ty, tx, head_dim);
+        scores_to_p<kIsCausal, kBlockM, kBlockN, kSRows, kSCols, kThreadsM>(acc_s, lse_s, scale_log2, m_block, n_block,
+                                                                            seqlen_q, seqlen_k, ty, tx);
+#pragma unroll
+        for (int i = 0; i < kSRows; ++i)
+#pragma unroll
+            for (int j = 0; j < kSCols; ++j) p_s[(ty + i * kThreadsM) * kPStride + tx + j * 8] = acc_s[i][j];
+        __syncthreads();
+
+        // [5] dV += P^T dO
+        gemm_tn<A, kKRows, kGroups, kChunk, kBlockM, kPStride, kStride>(acc_dv, acc_dv_comp, p_s, do_s, ty, tx);
+
+        // [6] dP = dO V^T
+        A acc_dp[kSRows][kSCols];
+        dot_tile<A, kSRows, kSCols, kThreadsM, kStride>(acc_dp, do_s, v_s, ty, tx, head_dim);
+
+        // [7] dS = P * (dP - D)
+#pragma unroll
+        for (int i = 0; i < kSRows; ++i) {
+            const A d = dsum_s[ty + i * kThreadsM];
+#pragma unroll
+            for (int j = 0; j < kSCols; ++j)
+                ds_s[(ty + i * kThreadsM) * kPStride + tx + j * 8] = acc_s[i][j] * (acc_dp[i][j] - d);
+        }
+        __syncthreads();  // ds_s complete; do_s, lse_s, dsum_s free for the next query block
+        if (it + 1 < n_iters) load_do_rows(it + 1);
+
+        // [8] dK += dS^T Q
+        gemm_tn<A, kKRows, kGroups, kChunk, kBlockM, kPStride, kStride>(acc_dk, acc_dk_comp, ds_s, q_s, ty, tx);
+        __syncthreads();  // q_s, p_s, ds_s free
+        if (it + 1 < n_iters) load_q(it + 1);
+        cp_async_commit();
+    }
+    cp_async_wait<0>();
+
+    // [9] Store dK * softmax_scale and dV
+    int rows[kKRows];
+#pragma unroll
+    for (int i = 0; i < kKRows; ++i) rows[i] = n_block * kBlockN + ty * kKRows + i;
+    T* dk = static_cast<T*>(p.dk) + batch * p.dk_batch_stride + kv_head * p.dk_head_stride;
+    T* dv = static_cast<T*>(p.dv) + batch * p.dv_batch_stride + kv_head * p.dv_head_stride;
+    store_rows<T, A, kKRows, kGroups>(dk, p.dk_row_stride, rows, seqlen_k, head_dim, tx, acc_dk, acc_dk_comp,
+                                      static_cast<A>(f.softmax_scale));
+    store_rows<T, A, kKRows, kGroups>(dv, p.dv_row_stride, rows, seqlen_k, head_dim, tx, acc_dv, acc_dv_comp, A(1));
+}
+
+// Launch bounds with minBlocks = 1: without it ptxas trims registers to the next occupancy step
+// (128 or 168) even at the price of spills, which the compile gate forbids.
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+__global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dq_simt(const __grid_constant__ BwdParams p) {
+    using namespace simt_bwd;
+    using A = acc_t<T>;
+    static_assert(sizeof(A) == sizeof(T), "the SIMT kernels take float or double");
+    constexpr int kNThreads = kNWarps * 32;
+    constexpr int kVec = 16 / int(sizeof(T));
+    constexpr int kStride = kHeadDim + kVec;
+    constexpr int kPStride = kBlockN + 8;
+    constexpr int kThreadsM = kNThreads / 8;
+    constexpr int kRows = kBlockM / kThreadsM;   // S / dP / dQ rows per thread
+    constexpr int kCols = kBlockN / 8;           // S / dP columns per thread
+    constexpr int kGroups = kHeadDim / (8 * kVec);
+    constexpr int kChunk = pick_chunk(kGroups, kRows * kVec * int(sizeof(A)), 64);
+    constexpr int kSmemBytes =
+        (2 * kBlockM * kStride + 2 * kBlockN * kStride + kBlockM * kPStride + 2 * kBlockM) * int(sizeof(T));
+    static_assert(kRows >= 1 && kBlockM % kThreadsM == 0, "kBlockM must be a multiple of kNWarps * 4");
+    static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16");
+    static_assert(kHeadDim % (8 * kVec) == 0, "kHeadDim must be a multiple of 32");
+
+    extern __shared__ __align__(16) char smem[];
+    {
+        unsigned dyn_smem;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+        if (dyn_smem < unsigned(kSmemBytes)) __trap();
+    }
+    T* q_s = reinterpret_cast<T*>(smem);
+    T* do_s = q_s + kBlockM * kStride;
+    T* k_s = do_s + kBlockM * kStride;
+    T* v_s = k_s + kBlockN * kStride;
+    A* ds_s = reinterpret_cast<A*>(v_s + kBlockN * kStride);
+    A* lse_s = ds_s + kBlockM * kPStride;
+    A* dsum_s = lse_s + kBlockM;
+
+    const int tid = threadIdx.x;
+    const int tx = tid % 8;
+    const int ty = tid / 8;
+    const FwdParams& f = p.fwd;
+
+    // [10] dQ block coordinates: m_block, head, batch; causal skips key blocks above the diagonal
+    const int m_block = blockIdx.x;
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int kv_head = head / (f.nheads / f.nheads_k);
+    const int seqlen_q = f.seqlen_q, seqlen_k = f.seqlen_k, head_dim = f.head_dim;
+    const int n_block_end = n_block_max<kIsCausal, kBlockM, kBlockN>(m_block, seqlen_q, seqlen_k);
+    const int row0 = m_block * kBlockM;
+    const T* q = static_cast<const T*>(f.q) + batch * f.q_batch_stride + head * f.q_head_stride +
+                 static_cast<long long>(row0) * f.q_row_stride;
+    const T* dout = static_cast<const T*>(p.dout) + batch * p.do_batch_stride + head * p.do_head_stride +
+                    static_cast<long long>(row0) * p.do_row_stride;
+    const T* k = static_cast<const T*>(f.k) + batch * f.k_batch_stride + kv_head * f.k_head_stride;
+    const T* v = static_cast<const T*>(f.v) + batch * f.v_batch_stride + kv_head * f.v_head_stride;
+
+    // Q, dO, LSE, D of this query block stay; K and V of block 0 follow, block n + 1 is issued
+    // during block n.
+    load_tile<T, kBlockM, kHeadDim, kStride, kNThreads>(q_s, q, f.q_row_stride, seqlen_q - row0, head_dim);
+    load_tile<T, kBlockM, kHeadDim, kStride, kNThreads>(do_s, dout, p.do_row_stride, seqlen_q - row0, head_dim);
+    load_rows<A, kBlockM, kNThreads>(
+        lse_s, dsum_s, static_cast<const A*>(f.lse) + batch * f.lse_batch_stride + head * f.lse_head_stride,
+        static_cast<const A*>(p.dsum) + batch * p.dsum_batch_stride + head * p.dsum_head_stride, row0, seqlen_q);
+    if (n_block_end > 0) {
+        load_tile<T, kBlockN, kHeadDim, kStride, kNThreads>(k_s, k, f.k_row_stride, seqlen_k, head_dim);
+        load_tile<T, kBlockN, kHeadDim, kStride, kNThreads>(v_s, v, f.v_row_stride, seqlen_k, head_dim);
+    }
+    cp_async_commit();
+
+    const A scale_log2 = static_cast<A>(f.scale_log2);
+    A acc_dq[kRows][kGroups * kVec], acc_dq_comp[kRows][kGroups * kVec];
+#pragma unroll
+    for (int i = 0; i < kRows; ++i)
+#pragma unroll
+        for (int c = 0; c < kGroups * kVec; ++c) acc_dq[i][c] = acc_dq_comp[i][c] = A(0);
+
+    for (int n_block = 0; n_block < n_block_end; ++n_block) {
+        const int next_row0 = (n_block + 1) * kBlockN;
+        cp_async_wait<0>();
+        __syncthreads();  // K, V of this key block (and Q, dO, LSE, D) are in shared memory
+
+        // [11] Recompute S, P and dS = P * (dO V^T - D) for one key block
+        A acc_s[kRows][kCols];
+        dot_tile<A, kRows, kCols, kThreadsM, kStride>(acc_s, q_s, k_s, ty, tx, head_dim);
+        scores_to_p<kIsCausal, kBlockM, kBlockN, kRows, kCols, kThreadsM>(acc_s, lse_s, scale_log2, m_block, n_block,
+                                                                          seqlen_q, seqlen_k, ty, tx);
+        A acc_dp[kRows][kCols];
+        dot_tile<A, kRows, kCols, kThreadsM, kStride>(acc_dp, do_s, v_s, ty, tx, head_dim);
+#pragma unroll
+        for (int i = 0; i < kRows; ++i) {
+            const A d = dsum_s[ty + i * kThreadsM];
+#pragma unroll
+            for (int j = 0; j < kCols; ++j)
+                ds_s[(ty + i * kThreadsM) * kPStride + tx + j * 8] = acc_s[i][j] * (acc_dp[i][j] - d);
+        }
+        __syncthreads();  // ds_s complete, v_s free
+        if (n_block + 1 < n_block_end)
+            load_tile<T, kBlockN, kHeadDim, kStride, kNThreads>(v_s, v + next_row0 * f.v_row_stride, f.v_row_stride,
+                                                                seqlen_k - next_row0, head_dim);
+
+        // [12] dQ += dS K
+        gemm_nn<A, kRows, kGroups, kChunk, kBlockN, kThreadsM, kPStride, kStride>(acc_dq, acc_dq_comp, ds_s, k_s, ty, tx);
+        __syncthreads();  // k_s, ds_s free
+        if (n_block + 1 < n_block_end)
+            load_tile<T, kBlockN, kHeadDim, kStride, kNThreads>(k_s, k + next_row0 * f.k_row_stride, f.k_row_stride,
+                                                                seqlen_k - next_row0, head_dim);
+        cp_async_commit();
+    }
+    cp_async_wait<0>();
+
+    // [13] Store dQ * softmax_scale
+    int rows[kRows];
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) rows[i] = row0 + ty + i * kThreadsM;
+    T* dq = static_cast<T*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride;
+    store_rows<T, A, kRows, kGroups>(dq, p.dq_row_stride, rows, seqlen_q, head_dim, tx, acc_dq, acc_dq_comp,
+                                     static_cast<A>(f.softmax_scale));
+}
+
+}  // namespace cuflash
