@@ -1,25 +1,29 @@
 #!/usr/bin/env bash
-# One call on the lent GPU machine: compile every kernel once (in parallel), then the stages asked
-# for, each logging under $OUT. Usage: bash bench/device_run.sh [test] [sanitize] [bench] [proto]
-# Run from the repository root, after installing the carried wheels (see README, "Developing").
+# One call on the lent GPU machine: compile every kernel config once (in parallel), then the stages
+# asked for, in order, each capped in time and logging under $OUT (what finished comes back even if
+# the call runs out). Usage, from the repository root, after installing the carried wheels:
+#   bash bench/device_run.sh [test] [bench] [sanitize] [memory]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
-git rev-parse HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
-python3 -m cuflash info | tee -a "$OUT/gpu.txt"
-python3 -m cuflash compile -j "$(nproc)" 2>&1 | tail -30 | tee -a "$OUT/gpu.txt"
+export PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
+{ date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv
+  python3 -m cuflash info; } > "$OUT/gpu.txt" 2>&1
+( time python3 -m cuflash compile -j "$(nproc)" ) >> "$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"
 rc=0
 for stage in "$@"; do
+  t0=$SECONDS
   case "$stage" in
-    test) python3 -m pytest -m gpu -q -rfE --durations=15 -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log"
-          rc=$((rc | ${PIPESTATUS[0]})) ;;
-    proto) NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0 python3 -m pytest -q tests/test_proto.py -rfE 2>&1 | tee "$OUT/pytest_proto.log"
-          rc=$((rc | ${PIPESTATUS[0]})) ;;
-    sanitize) bash bench/sanitize.sh "$OUT/sanitizer.log"; rc=$((rc | $?)) ;;
-    bench) python3 -m cuflash bench --suite all --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log"
-          rc=$((rc | ${PIPESTATUS[0]})) ;;
-    *) echo "unknown stage $stage"; rc=1 ;;
+    test) timeout "${TEST_SECONDS:-240}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
+            --durations=10 -o faulthandler_timeout=120 > "$OUT/pytest_gpu.log" 2>&1 ;;
+    bench) timeout "${BENCH_SECONDS:-200}" python3 -m cuflash bench --suite all --max-seconds "${BENCH_CAP:-170}" \
+            --max-suite-seconds 60 --json "$OUT/bench.json" --plot "$OUT/bench.png" > "$OUT/bench.log" 2>&1 ;;
+    sanitize) SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-60} timeout 150 bash bench/sanitize.sh "$OUT/sanitizer.log" ;;
+    memory) timeout 60 python3 bench/memory_check.py > "$OUT/memory.json" 2>&1 ;;
+    *) echo "unknown stage $stage"; false ;;
   esac
+  s=$?; rc=$((rc | s))
+  echo "stage $stage: exit $s in $((SECONDS - t0)) s" | tee -a "$OUT/gpu.txt"
 done
+tail -n 25 "$OUT/pytest_gpu.log" 2>/dev/null; tail -n 5 "$OUT/sanitizer.log" 2>/dev/null
 exit $rc

@@ -1,0 +1,138 @@
+"""A tiny sweep of the CUDA kernels for compute-sanitizer (bench/sanitize.sh runs it under memcheck
+and racecheck): odd lengths, seqlen_k of 0 and 1, causal rows that see no key, every dtype, head
+dims 40 / 64 / 128 / 256, GQA, forward and backward, through the public API with backend="cuda".
+
+    python3 bench/sanitize_cases.py [--quick]
+
+Sizes are tiny (a few seconds without the sanitizer): the sanitizer multiplies run time. CuPy's
+memory pool is switched off, so every array is its own cudaMalloc of its exact size and memcheck
+sees any access past an array's end (inside a pooled chunk it would not). Inputs are contiguous
+for the same reason. Each result is also checked, loosely, against the float64 reference on the
+host, so a case that runs clean but computes garbage still fails. Exit status 1 on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+
+import numpy as np
+
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+HEAD_DIMS = (40, 64, 128, 256)
+# (seqlen_q, seqlen_k): odd tails, no keys, one key, causal rows with no key (sq > sk), sq < sk.
+SEQLENS = ((1, 1), (17, 0), (33, 1), (65, 47), (3, 130), (130, 3), (64, 64), (71, 200))
+# Max |ours - ref64| / max(1, max|ref64|): loose, this is a smoke check (the tests hold the real rule).
+TOL = {"float16": 2e-2, "bfloat16": 5e-2, "float32": 1e-4, "float64": 1e-9}
+
+
+def cases(quick: bool = False):
+    """One case per (dtype, head_dim, causal); the seqlen pair rotates so that every pair meets
+    every dtype and both causal settings, and the head layout alternates between MHA and GQA."""
+    out = []
+    for i, (dtype, d, causal) in enumerate(itertools.product(DTYPES, HEAD_DIMS, (False, True))):
+        sq, sk = SEQLENS[(i // 2 + 4 * (i % 2)) % len(SEQLENS)]
+        b, h, hk = (2, 2, 1) if (i // 2) % 2 else (1, 3, 3)
+        out.append((dtype, b, sq, sk, h, hk, d, causal))
+    return out[::3] if quick else out
+
+
+def _np_dtype(dtype):
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+def _to_device(x):
+    import cupy
+
+    if x.dtype.name == "bfloat16":  # raw bits across, then reinterpret
+        return cupy.asarray(x.view(np.uint16)).view(x.dtype)
+    return cupy.asarray(x)
+
+
+def _to_host64(x):
+    import cupy
+
+    if x.dtype.name == "bfloat16":
+        return cupy.asnumpy(x.view(cupy.uint16)).view(x.dtype).astype(np.float64)
+    return cupy.asnumpy(x).astype(np.float64)
+
+
+def run_case(dtype, b, sq, sk, h, hk, d, causal, seed) -> list[str]:
+    import cupy
+
+    import cuflash
+    from cuflash import reference
+
+    rng = np.random.default_rng(seed)
+    npdt = _np_dtype(dtype)
+    q_h, do_h = (rng.standard_normal((b, sq, h, d)).astype(npdt) for _ in range(2))
+    k_h, v_h = (rng.standard_normal((b, sk, hk, d)).astype(npdt) for _ in range(2))
+    q, k, v, do = (_to_device(x) for x in (q_h, k_h, v_h, do_h))
+    o, lse = cuflash.flash_attn_forward(q, k, v, causal=causal, backend="cuda")
+    dq, dk, dv = cuflash.flash_attn_backward(do, q, k, v, o, lse, causal=causal, backend="cuda", deterministic=True)
+    cupy.cuda.runtime.deviceSynchronize()  # surfaces a kernel fault here, attributed to this case
+
+    ours = dict(zip(("o", "lse", "dq", "dk", "dv"), (_to_host64(x) for x in (o, lse, dq, dk, dv))))
+    q64, k64, v64, do64 = (x.astype(np.float64) for x in (q_h, k_h, v_h, do_h))
+    ref = dict(zip(("o", "lse"), reference.forward(q64, k64, v64, causal=causal)))
+    ref.update(zip(("dq", "dk", "dv"), reference.backward(do64, q64, k64, v64, causal=causal)))
+    fails = []
+    for name in ("o", "lse", "dq", "dk", "dv"):
+        x, r = ours[name], ref[name]
+        if x.shape != r.shape:
+            fails.append(f"{name}: shape {x.shape}, expected {r.shape}")
+            continue
+        if np.isnan(x).any():
+            fails.append(f"{name}: {int(np.isnan(x).sum())} NaN")
+            continue
+        if name == "lse":
+            masked = np.isneginf(r)
+            if (np.isneginf(x) != masked).any():
+                fails.append("lse: -inf where the reference has a finite value, or the reverse")
+                continue
+            x, r = x[~masked], r[~masked]
+        if x.size == 0:
+            continue
+        err = float(np.max(np.abs(x - r))) / max(1.0, float(np.max(np.abs(r))))
+        if not err <= TOL[dtype]:
+            fails.append(f"{name}: relative error {err:.3e} > {TOL[dtype]:.0e}")
+    return fails
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="every third case only")
+    args = ap.parse_args(argv)
+
+    import cupy
+
+    # Exact-size allocations, so memcheck sees out-of-bounds accesses (a pool hides them).
+    cupy.cuda.set_allocator(None)
+    cupy.cuda.set_pinned_memory_allocator(None)
+
+    t0 = time.perf_counter()
+    failed = 0
+    todo = cases(args.quick)
+    for i, (dtype, b, sq, sk, h, hk, d, causal) in enumerate(todo):
+        name = f"{dtype:8s} b={b} sq={sq:3d} sk={sk:3d} h={h} hk={hk} d={d:3d} causal={int(causal)}"
+        try:
+            fails = run_case(dtype, b, sq, sk, h, hk, d, causal, seed=i)
+        except Exception as e:  # noqa: BLE001  (a launch error poisons the context: report and stop)
+            print(f"ERROR {name}: {type(e).__name__}: {e}", flush=True)
+            return 1
+        failed += bool(fails)
+        status = "ok  " if not fails else "FAIL"
+        print(f"{status} {name}" + "".join(f"\n       {f}" for f in fails), flush=True)
+    dt = time.perf_counter() - t0
+    print(f"{len(todo) - failed}/{len(todo)} cases passed in {dt:.1f} s", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
