@@ -79,9 +79,10 @@ RULE_ATOL = {"float16": 1e-5, "bfloat16": 1e-5, "float32": 1e-6, "float64": 1e-1
 LSE_TOL = {"float16": 1e-4, "bfloat16": 1e-4, "float32": 1e-6, "float64": 1e-12}
 
 
-def fp32_forward_atol(seqlen_k: int) -> float:
-    """float32 forward: a fixed bound against float64 (the brief's 1e-6; DESIGN.md allows 2e-6 to N=8192)."""
-    return 1e-6 if seqlen_k <= 1024 else 2e-6
+# float32 forward output against float64, a fixed bound: the CUDA kernels are held to 1e-6 for any
+# N up to 8192 (the kernels issue); the Numba prototypes, plain FMA loops without the SIMT kernel's
+# blocked and compensated sums, to DESIGN.md's float32 rule, 2e-6.
+FP32_FORWARD_ATOL = {"cuda": 1e-6, "numba": 2e-6}
 
 
 class GpuKit:
@@ -184,7 +185,7 @@ class GpuKit:
         dq, dk, dv = cf.flash_attn_backward(do, q, k, v, o_bwd, lse, causal=causal, softmax_scale=scale,
                                             layout=layout, backend=backend, deterministic=deterministic)
         self.check(ctx, dtype, causal, scale, *(bshd(x) for x in (q, k, v, do, o)), lse,
-                   *(bshd(x) for x in (dq, dk, dv)))
+                   *(bshd(x) for x in (dq, dk, dv)), backend=backend)
         return o, lse, dq, dk, dv
 
     # --- the accuracy rule -----------------------------------------------------------------------
@@ -214,7 +215,7 @@ class GpuKit:
         e = float(cp.max(cp.abs(x.astype(cp.float64) - y.astype(cp.float64))))
         return math.inf if math.isnan(e) else e
 
-    def check(self, ctx, dtype, causal, scale, q, k, v, do, o, lse, dq, dk, dv):
+    def check(self, ctx, dtype, causal, scale, q, k, v, do, o, lse, dq, dk, dv, backend="cuda"):
         """Assert shapes, dtypes, no NaN, exact zeros / -inf on rows that see no key, and the
         accuracy rule on o, lse, dq, dk, dv. All arrays CuPy, "bshd" views, any strides."""
         cp = self.cp
@@ -270,8 +271,8 @@ class GpuKit:
                 mag = float(cp.max(cp.abs(ref64))) if ref64.size else 0.0
                 err = self._max_abs(ours, ref64)
                 if dtype == "float32" and name == "o":
-                    bound = fp32_forward_atol(sk)
-                    detail = "fixed float32 forward bound"
+                    bound = FP32_FORWARD_ATOL[backend]
+                    detail = f"fixed float32 forward bound for backend {backend}"
                 else:
                     atol = RULE_ATOL[dtype] * max(1.0, mag)
                     sp_err = 0.0 if dtype == "float64" else self._max_abs(sp[name], ref64)
