@@ -9,6 +9,7 @@ import platform
 import click
 
 from . import __version__
+from .benchmark.command import bench
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -98,12 +99,7 @@ def compile_cmd(jobs: int, dtypes: tuple[str, ...]) -> None:
     click.echo(f"compiled {n} kernel configs in {time.perf_counter() - t0:.1f} s ({jobs} jobs)")
 
 
-try:  # `cuflash bench` lives in its own package
-    from .benchmark.command import bench as _bench
-
-    main.add_command(_bench)
-except ImportError:  # pragma: no cover - only while the benchmark package is absent
-    pass
+main.add_command(bench)  # `cuflash bench` lives in its own package
 
 
 if __name__ == "__main__":  # pragma: no cover

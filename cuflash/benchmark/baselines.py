@@ -21,6 +21,8 @@ import warnings
 
 import numpy as np
 
+from ..config import DTYPES, numpy_dtype
+
 MODES = ("fwd", "bwd", "fwd_bwd")
 TORCH_BACKENDS = {
     "torch-flash": "FLASH_ATTENTION",
@@ -31,7 +33,6 @@ TORCH_BACKENDS = {
 GPU_IMPLS = ("cuflash", "conventional", *TORCH_BACKENDS)
 CPU_IMPLS = ("cuflash-numpy", "materialized-numpy")
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "fp64": "float64"}
-DTYPES = ("bfloat16", "float16", "float32", "float64")
 # atol of the accuracy rule max|ours - ref64| <= 2 max|same_precision - ref64| + atol
 ACCURACY_ATOL = {"float16": 1e-4, "bfloat16": 1e-3, "float32": 1e-6, "float64": 1e-12}
 
@@ -41,14 +42,6 @@ def canonical_dtype(name: str) -> str:
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (or bf16, fp16, fp32, fp64), got {name!r}")
     return name
-
-
-def np_dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +67,7 @@ class Case:
         n = self.batch * self.nheads * self.head_dim * (self.seqlen_q + 2 * self.seqlen_k)
         if mode != "fwd":
             n += 2 * self.batch * self.nheads * self.head_dim * self.seqlen_q
-        return n * np_dtype(self.dtype).itemsize
+        return n * numpy_dtype(self.dtype).itemsize
 
     def flops(self, mode: str) -> int:
         from .timing import flops
@@ -114,7 +107,7 @@ def gpu_cast(x32, dtype: str):
     """A CuPy float32 array in `dtype`; bfloat16 by round-to-nearest-even on the bits if astype can't."""
     import cupy
 
-    dt = np_dtype(dtype)
+    dt = numpy_dtype(dtype)
     if dtype != "bfloat16":
         return x32.astype(dt)
     try:
@@ -154,7 +147,7 @@ def gpu_inputs(case: Case, n_sets: int, seed: int = 0) -> list[InputSet]:
 
 def cpu_inputs(case: Case, seed: int = 0) -> InputSet:
     rng = np.random.default_rng(seed)
-    dt = np_dtype(case.dtype)
+    dt = numpy_dtype(case.dtype)
     qs = (case.batch, case.seqlen_q, case.nheads, case.head_dim)
     ks = (case.batch, case.seqlen_k, case.nheads, case.head_dim)
     q, k, v, do = (rng.standard_normal(s, dtype=np.float32).astype(dt) for s in (qs, ks, ks, qs))

@@ -91,6 +91,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from ..config import DTYPES
+
 SCHEMA = "cuflash-bench/1"
 SUITE_NAMES = ("seqlen", "headdim", "memory", "launch", "accuracy", "energy")
 META_KEYS = ("cuflash_version", "git_commit", "date_utc", "command", "options", "platform", "platform_reason",
@@ -102,7 +104,6 @@ SHAPE_KEYS = ("batch", "nheads", "seqlen_q", "seqlen_k", "head_dim")
 ROW_STATUS = ("ok", "unavailable", "OOM", "skipped", "error")
 SUITE_STATUS = ("ok", "partial", "skipped", "error")
 MODES = ("fwd", "bwd", "fwd_bwd")
-DTYPES = ("bfloat16", "float16", "float32", "float64")
 TIMING_SUITES = ("seqlen", "headdim", "launch")
 
 
