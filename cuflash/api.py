@@ -11,11 +11,11 @@ import contextlib
 import importlib
 
 from . import _checks, _interop
-from .config import dtype_name, numpy_dtype
+from .config import numpy_dtype
 
 
 def _backend(name: str):
-    """The backend module for a request, or a ValueError saying why it cannot run here."""
+    """The backend module for a request; a RuntimeError says why a forced one cannot run here."""
     _checks.check_backend(name)
     if name == "auto":
         name = "cuda" if _interop.gpu_status()[0] else "numpy"
@@ -39,16 +39,13 @@ def _unit_last_stride(x):
     """Inputs whose last dimension is strided are copied once (the kernels need unit stride)."""
     if x is None or x.shape[-1] <= 1 or x.strides[-1] == x.itemsize:
         return x
-    xp = importlib.import_module("cupy") if _interop.is_cupy(x) else importlib.import_module("numpy")
-    return xp.ascontiguousarray(x)
+    return importlib.import_module("cupy" if _interop.is_cupy(x) else "numpy").ascontiguousarray(x)
 
 
 class _Call:
     """Shared plumbing of the forward and backward entry points."""
 
     def __init__(self, q, layout: str, backend: str, arrays: dict):
-        _checks.check_layout(layout)
-        _checks.check_backend(backend)
         self.caller = _interop.classify(q)
         _interop.check_devices(**arrays)
         self.be = _backend(backend)
@@ -166,11 +163,10 @@ def flash_attn_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None
         if b and h and (sq or kb.shape[1]):
             ws = [call.working(n, x) for n, x in (("dout", do), ("q", q), ("k", k), ("v", v), ("o", o))]
             dow, qw, kw, vw, ow = (_bshd(x, layout) for x in ws)
-            lw = _interop.to_working("lse", lse, call.on_device)
-            lw = lw if lw.strides[-1] == lw.itemsize or lw.shape[-1] <= 1 else lw.copy()
+            lw = call.working("lse", lse)
             call.be.backward(dow, qw, kw, vw, ow, lw, causal=bool(causal), softmax_scale=scale,
                              deterministic=bool(deterministic), dq=dq, dk=dk, dv=dv)
         return call.result(dq_arr), call.result(dk_arr), call.result(dv_arr)
 
 
-__all__ = ["flash_attn", "flash_attn_forward", "flash_attn_backward", "dtype_name"]
+__all__ = ["flash_attn", "flash_attn_forward", "flash_attn_backward"]
