@@ -10,7 +10,6 @@ DESIGN.md ("Numbers that must hold") checked against cuflash.reference run on th
 
 from __future__ import annotations
 
-import functools
 import math
 import zlib
 
@@ -18,24 +17,11 @@ import numpy as np
 import pytest
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skips itself where none is visible)")
-
-
-@functools.lru_cache(maxsize=1)
 def gpu_available() -> tuple[bool, str]:
-    """(a CUDA device is visible through CuPy, why not)."""
-    try:
-        import cupy
-    except Exception as e:  # noqa: BLE001  (not installed, or a broken CUDA install)
-        return False, f"CuPy not importable ({type(e).__name__}: {e})"
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # noqa: BLE001  (no driver, or a driver older than the runtime)
-        return False, f"no CUDA device ({type(e).__name__}: {str(e)[:120]})"
-    if n < 1:
-        return False, "no CUDA device visible"
-    return True, ""
+    """(a CUDA device is visible through CuPy, why not): the library's own answer."""
+    from cuflash._interop import gpu_status
+
+    return gpu_status()
 
 
 def pytest_collection_modifyitems(config, items):
