@@ -116,10 +116,40 @@ def to_working(name: str, x, on_device: bool):
 
         arr = cupy.from_dlpack(x)
         return arr if on_device else to_host(arr)
-    arr = np.from_dlpack(x)
+    arr = _host_from_dlpack(name, x)
     if on_device:
         return to_working(name, arr, True)
     return arr
+
+
+def _host_from_dlpack(name: str, x):
+    """A host DLPack producer as a NumPy array. NumPy cannot import bfloat16 through DLPack, so a
+    bf16 torch tensor crosses as its 16-bit pattern and other producers through __array__."""
+    if "bfloat16" not in str(getattr(x, "dtype", "")):
+        return np.from_dlpack(x)
+    import ml_dtypes
+
+    if is_torch(x):
+        import torch
+
+        return np.from_dlpack(x.view(torch.int16)).view(ml_dtypes.bfloat16)
+    try:
+        return np.asarray(x).view(ml_dtypes.bfloat16)
+    except Exception as e:
+        raise TypeError(f"{name}: a bfloat16 host array of {type(x).__name__} cannot be read without a copy "
+                        f"through DLPack ({type(e).__name__}: {e}); pass it on the GPU or as float32") from None
+
+
+def _host_to_caller(y, namespace):
+    """A NumPy result for a host DLPack caller, bfloat16 as its 16-bit pattern (see above)."""
+    if y.dtype.name != "bfloat16":
+        return namespace.from_dlpack(y)
+    bits = namespace.from_dlpack(y.view(np.int16))
+    if hasattr(bits, "view") and _module_name(bits) == "torch":
+        import torch
+
+        return bits.view(torch.bfloat16)
+    return namespace.asarray(y)
 
 
 def to_host(x):
@@ -162,7 +192,9 @@ def from_working(y, caller: Caller):
             return to_working("result", y, True)
         return y
     if caller.namespace is not None and hasattr(caller.namespace, "from_dlpack"):
-        if caller.device_id is not None and is_numpy(y):
+        if caller.device_id is None:
+            return _host_to_caller(y if is_numpy(y) else to_host(y), caller.namespace)
+        if is_numpy(y):
             y = to_working("result", y, True)
         return caller.namespace.from_dlpack(y)
     return y
