@@ -97,6 +97,17 @@ def _bshd(x, dtype) -> np.ndarray:
     return x.reshape(b, hk * g, s, d).transpose(0, 2, 1, 3).astype(dtype, order="C")
 
 
+def _setup(q, k, v, softmax_scale):
+    """What forward and backward share: the accumulator dtype, the scale (and in log2 units), and
+    q, k, v grouped by kv head as (B, Hk, G, S, D) in that dtype (k, v with G = 1)."""
+    acc = _acc_dtype(q.dtype)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    nheads_k = k.shape[2]
+    return (acc, softmax_scale, softmax_scale * LOG2E,
+            _grouped(q, nheads_k, acc), _grouped(k, nheads_k, acc), _grouped(v, nheads_k, acc))
+
+
 # --- forward -----------------------------------------------------------------------------------------
 
 
@@ -105,16 +116,9 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, lse=None, bl
 
     With `out` / `lse` given (any strides), the results are written there and those are returned."""
     lse_out = lse
-    batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    acc = _acc_dtype(q.dtype)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(head_dim)
-    scale_log2 = softmax_scale * LOG2E
-
-    qg = _grouped(q, nheads_k, acc)  # (B, Hk, G, Sq, D)
-    kg = _grouped(k, nheads_k, acc)  # (B, Hk, 1, Sk, D)
-    vg = _grouped(v, nheads_k, acc)
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k = k.shape[1]
+    acc, softmax_scale, scale_log2, qg, kg, vg = _setup(q, k, v, softmax_scale)
     o = np.empty(qg.shape, dtype=acc)
     lse = np.empty(qg.shape[:-1], dtype=acc)
 
@@ -180,14 +184,7 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, determini
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     group = nheads // nheads_k
-    acc = _acc_dtype(q.dtype)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(head_dim)
-    scale_log2 = softmax_scale * LOG2E
-
-    qg = _grouped(q, nheads_k, acc)  # (B, Hk, G, Sq, D)
-    kg = _grouped(k, nheads_k, acc)  # (B, Hk, 1, Sk, D)
-    vg = _grouped(v, nheads_k, acc)
+    acc, softmax_scale, scale_log2, qg, kg, vg = _setup(q, k, v, softmax_scale)
     dog = _grouped(do, nheads_k, acc)
     og = _grouped(o, nheads_k, acc)
     lse = np.asarray(lse, dtype=acc).reshape(batch, nheads_k, group, seqlen_q)
