@@ -100,22 +100,23 @@ def check_lse(lse, shape: tuple, dtype: str) -> None:
         raise TypeError(f"lse: dtype must be {dtype}, got {got}")
 
 
-def check_out(out, shape: tuple, dtype: str, inputs: dict) -> None:
-    """`out=`: exact shape and dtype, unit stride in the last dimension, no overlap with any input."""
+def check_out(out, shape: tuple, dtype: str, inputs: dict, name: str = "out") -> None:
+    """`out=` (or dq=, dk=, dv=): exact shape and dtype, unit stride in the last dimension, no
+    overlap with any input."""
     if tuple(out.shape) != tuple(shape):
-        raise ValueError(f"out: expected shape {tuple(shape)}, got {tuple(out.shape)}")
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(out.shape)}")
     try:
         got = dtype_name(out.dtype)
     except TypeError:
         got = str(out.dtype)
     if got != dtype:
-        raise ValueError(f"out: dtype must be {dtype} (q's), got {got}")
+        raise ValueError(f"{name}: dtype must be {dtype} (q's), got {got}")
     strides, itemsize = _byte_strides(out)
     if out.shape[-1] > 1 and strides[-1] != itemsize:
-        raise ValueError(f"out: the last dimension must be contiguous (stride {itemsize} bytes), got {strides[-1]}")
-    for name, x in inputs.items():
+        raise ValueError(f"{name}: the last dimension must be contiguous (stride {itemsize} bytes), got {strides[-1]}")
+    for other, x in inputs.items():
         if _overlaps(out, x):
-            raise ValueError(f"out: must not share memory with {name}")
+            raise ValueError(f"{name}: must not share memory with {other}")
 
 
 def _byte_strides(x) -> tuple[tuple[int, ...], int]:

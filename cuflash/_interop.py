@@ -55,13 +55,36 @@ def is_torch(x) -> bool:
 class Caller:
     """What the caller handed in: how to give results back, and the stream to run on."""
 
-    kind: str  # "numpy" | "cupy" | "dlpack"
+    kind: str  # "numpy" | "cupy" | "torch" (CUDA tensors) | "dlpack" (any other producer, host torch too)
     namespace: object = None  # the producer's array namespace, for "dlpack"
     device_id: int | None = None  # CUDA device of device arrays
     stream: object = None  # a cupy stream to run on (torch's current stream), or None
 
     def stream_context(self):
         return self.stream if self.stream is not None else contextlib.nullcontext()
+
+    def new(self, shape, dtype, on_device: bool):
+        """A new result array from the caller's allocator: (what the caller gets back, the NumPy or
+        CuPy view a backend writes). torch callers get tensors from torch's caching allocator; the
+        others get CuPy's pool (or NumPy), converted in `result`."""
+        if self.kind == "torch" and on_device:
+            import cupy
+            import torch
+
+            t = torch.empty(tuple(shape), dtype=getattr(torch, np.dtype(dtype).name),
+                            device=torch.device("cuda", self.device_id))
+            return t, cupy.from_dlpack(t)
+        if on_device:
+            import cupy
+
+            w = cupy.empty(shape, dtype=dtype)
+        else:
+            w = np.empty(shape, dtype=dtype)
+        return w, w
+
+    def result(self, y):
+        """A result of `new` (or an array the backend made) as the caller's kind."""
+        return y if self.kind == "torch" and is_torch(y) else from_working(y, self)
 
 
 def _is_device_dlpack(x) -> bool:
@@ -77,19 +100,18 @@ def classify(x) -> Caller:
         return Caller("cupy", device_id=x.device.id)
     if not hasattr(x, "__dlpack__"):
         raise TypeError(f"q: expected a NumPy or CuPy array or a DLPack producer (torch, JAX...), got {type(x).__name__}")
+    if is_torch(x) and x.is_cuda:
+        import cupy
+        import torch
+
+        device_id = x.get_device()
+        return Caller("torch", device_id=device_id,
+                      stream=cupy.cuda.Stream.from_external(torch.cuda.current_stream(device_id)))
     from array_api_compat import array_namespace
 
     ns = array_namespace(x)
     if _is_device_dlpack(x):
-        import cupy
-
-        device_id = int(x.__dlpack_device__()[1])
-        stream = None
-        if is_torch(x):
-            import torch
-
-            stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream(device_id))
-        return Caller("dlpack", ns, device_id, stream)
+        return Caller("dlpack", ns, int(x.__dlpack_device__()[1]))
     return Caller("dlpack", ns)
 
 
@@ -97,6 +119,8 @@ def to_working(name: str, x, on_device: bool):
     """`x` as a NumPy (host backends) or CuPy (device backends) array, zero-copy where possible."""
     if x is None:
         return None
+    if is_torch(x) and x.requires_grad:
+        x = x.detach()  # DLPack refuses tensors that require grad; the kernels only read them
     if is_numpy(x):
         if not on_device:
             return x
@@ -187,10 +211,14 @@ def from_working(y, caller: Caller):
         return None
     if caller.kind == "numpy":
         return y if is_numpy(y) else to_host(y)
-    if caller.kind == "cupy":
+    if caller.kind in ("cupy", "torch"):
         if is_numpy(y):
-            return to_working("result", y, True)
-        return y
+            y = to_working("result", y, True)
+        if caller.kind == "cupy":
+            return y
+        import torch
+
+        return torch.from_dlpack(y)
     if caller.namespace is not None and hasattr(caller.namespace, "from_dlpack"):
         if caller.device_id is None:
             return _host_to_caller(y if is_numpy(y) else to_host(y), caller.namespace)

@@ -41,6 +41,14 @@ BWD_PARAMS = np.dtype(
 
 LOG2E = 1.4426950408889634
 
+# Byte offsets of the pointer runs that change from call to call (the plan cache patches them):
+# q, k, v, o, lse in FwdParams (and in BwdParams.fwd, at offset 0); dout, dq, dk, dv, dsum in BwdParams.
+FWD_POINTERS = FWD_PARAMS.fields["q"][1]
+BWD_POINTERS = BWD_PARAMS.fields["dout"][1]
+for _dt, _names in ((FWD_PARAMS, ("q", "k", "v", "o", "lse")), (BWD_PARAMS, ("dout", "dq", "dk", "dv", "dsum"))):
+    _first = _dt.fields[_names[0]][1]
+    assert [_dt.fields[n][1] for n in _names] == [_first + 8 * i for i in range(5)], _names
+
 
 def _ptr_of(a) -> int:
     return int(a.data.ptr) if a is not None and a.size else 0

@@ -3,14 +3,19 @@
 Shapes ("bshd"): q (batch, seqlen_q, nheads, head_dim); k, v (batch, seqlen_k, nheads_k, head_dim);
 lse (batch, nheads, seqlen_q), natural log, float32 (float64 for float64 inputs). layout="bhsd"
 takes (batch, nheads, seqlen, head_dim) arrays through strides, with no copy.
+
+Each public function first looks its call signature up in the plan cache (cuflash/_plan.py); a hit
+launches straight away. A miss takes the general path below: validate, import the arrays, run the
+backend, and, where the signature allows, leave a plan for the next call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 
-from . import _checks, _interop
+from . import _checks, _interop, _plan
 from .config import numpy_dtype
 
 
@@ -26,10 +31,6 @@ def _backend(name: str):
     return mod
 
 
-def _on_device(mod) -> bool:
-    return getattr(mod, "ON_DEVICE", False)
-
-
 def _bshd(x, layout: str):
     """The (batch, seqlen, heads, dim) view of an array given in `layout`."""
     return x if layout == "bshd" or x is None else x.swapaxes(1, 2)
@@ -43,13 +44,13 @@ def _unit_last_stride(x):
 
 
 class _Call:
-    """Shared plumbing of the forward and backward entry points."""
+    """Shared plumbing of the forward and backward entry points (the general path)."""
 
     def __init__(self, q, layout: str, backend: str, arrays: dict):
         self.caller = _interop.classify(q)
         _interop.check_devices(**arrays)
         self.be = _backend(backend)
-        self.on_device = _on_device(self.be)
+        self.on_device = getattr(self.be, "ON_DEVICE", False)
         self.layout = layout
 
     @contextlib.contextmanager
@@ -66,9 +67,9 @@ class _Call:
     def working(self, name: str, x):
         return _unit_last_stride(_interop.to_working(name, x, self.on_device))
 
-    def empty(self, shape, dtype):
-        xp = importlib.import_module("cupy" if self.on_device else "numpy")
-        return xp.empty(shape, dtype=dtype)
+    def new(self, shape, dtype):
+        """A new result from the caller's allocator: (the caller's array, the working array)."""
+        return self.caller.new(tuple(shape), dtype, self.on_device)
 
     def working_out(self, out):
         """`out=` as a working array: the same memory where possible, else a temporary."""
@@ -79,16 +80,8 @@ class _Call:
         if _interop.is_numpy(out) and not _interop.is_numpy(work):
             out[...] = _interop.to_host(work)
 
-    def out_array(self, shape_bshd, dtype, out=None):
-        """A result array in the caller's layout; returns (array in layout, its bshd view)."""
-        if out is None:
-            b, s, h, d = shape_bshd
-            shape = shape_bshd if self.layout == "bshd" else (b, h, s, d)
-            out = self.empty(shape, dtype)
-        return out, _bshd(out, self.layout)
-
     def result(self, y):
-        return _interop.from_working(y, self.caller)
+        return self.caller.result(y)
 
 
 def _validate_qkv(q, k, v, layout: str):
@@ -112,6 +105,16 @@ def flash_attn_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bsh
     lse[b, h, i] = log(sum_j exp(softmax_scale * q_i . k_j)) over the keys row i sees
     (-inf, with o = 0, for a row that sees none).
     """
+    key = _plan.forward_key(q, k, v, out, causal, softmax_scale, layout, backend)
+    plan = _plan.FORWARD.get(key)
+    if plan is not None:
+        return plan(q, k, v, out)
+    return _forward(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, backend=backend,
+                    out=out, key=key)
+
+
+def _forward(q, k, v, *, causal, softmax_scale, layout, backend, out, key=None):
+    """The general path of flash_attn_forward; with a key, it may leave a plan for the signature."""
     _checks.check_layout(layout)
     dt, qb, kb, vb = _validate_qkv(q, k, v, layout)
     b, sq, h, d = qb.shape
@@ -119,17 +122,24 @@ def flash_attn_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bsh
     if out is not None:
         _checks.check_out(out, tuple(q.shape), dt, {"q": q, "k": k, "v": v})
     call = _Call(q, layout, backend, {"q": q, "k": k, "v": v, "out": out})
+    outputs = () if out is None else (out,)
     with call.context():
-        o_work = None if out is None else call.working_out(out)
-        o_arr, o = call.out_array((b, sq, h, d), numpy_dtype(dt), o_work)
-        lse = call.empty((b, h, sq), lse_dtype(dt))
+        o_arr, o_work = call.new(q.shape, numpy_dtype(dt)) if out is None else (out, call.working_out(out))
+        o = _bshd(o_work, layout)
+        lse_arr, lse = call.new((b, h, sq), lse_dtype(dt))
+        inputs = [_bshd(call.working(n, x), layout) for n, x in (("q", q), ("k", k), ("v", v))]
+        if key is not None and _plan.plannable(call.caller, call.be, q, k, v, *outputs):
+            general = functools.partial(_forward, causal=causal, softmax_scale=softmax_scale, layout=layout,
+                                        backend=backend)
+            launches = call.be.forward_launches(*inputs, o, lse, causal=bool(causal), softmax_scale=scale)
+            _plan.FORWARD[key] = _plan.ForwardPlan(call.caller, launches, q, k, v, out, (b, h, sq),
+                                                   numpy_dtype(lse_dtype(dt)), general)
         if b and sq and h:
-            qw, kw, vw = (_bshd(call.working(n, x), layout) for n, x in (("q", q), ("k", k), ("v", v)))
-            call.be.forward(qw, kw, vw, causal=bool(causal), softmax_scale=scale, out=o, lse=lse)
-        if out is None:
-            return call.result(o_arr), call.result(lse)
-        call.write_back(out, o_arr)
-        return out, call.result(lse)
+            call.be.forward(*inputs, causal=bool(causal), softmax_scale=scale, out=o, lse=lse)
+    if out is None:
+        return call.result(o_arr), call.result(lse_arr)
+    call.write_back(out, o_work)
+    return out, call.result(lse_arr)
 
 
 def flash_attn(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, layout="bshd", backend="auto", out=None):
@@ -140,13 +150,25 @@ def flash_attn(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, l
 
 
 def flash_attn_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, layout="bshd", backend="auto",
-                        deterministic=False):
+                        deterministic=False, dq=None, dk=None, dv=None):
     """Gradients (dq, dk, dv) of the forward call that produced (o, lse), given dout = dL/do.
 
-    P is recomputed from q, k and lse; no N x N matrix is stored. The backward is deterministic:
-    every gradient element is reduced in a fixed order (no atomics), so `deterministic` is accepted
-    for FlashAttention compatibility and repeated calls are bitwise identical either way.
+    P is recomputed from q, k and lse; no N x N matrix is stored. dq=, dk=, dv=, when given, receive
+    the gradients in place (checked like `out=`). The backward is deterministic: every gradient
+    element is reduced in a fixed order (no atomics), so `deterministic` is accepted for
+    FlashAttention compatibility and repeated calls are bitwise identical either way.
     """
+    key = _plan.backward_key(do, q, k, v, o, lse, dq, dk, dv, causal, softmax_scale, layout, backend, deterministic)
+    plan = _plan.BACKWARD.get(key)
+    if plan is not None:
+        return plan(do, q, k, v, o, lse, dq, dk, dv)
+    return _backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, layout=layout,
+                     backend=backend, deterministic=deterministic, dq=dq, dk=dk, dv=dv, key=key)
+
+
+def _backward(do, q, k, v, o, lse, *, causal, softmax_scale, layout, backend, deterministic, dq=None, dk=None,
+              dv=None, key=None):
+    """The general path of flash_attn_backward; with a key, it may leave a plan for the signature."""
     _checks.check_layout(layout)
     dt, qb, kb, vb = _validate_qkv(q, k, v, layout)
     b, sq, h, d = qb.shape
@@ -155,18 +177,34 @@ def flash_attn_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None
         _checks.check_like(name, x, tuple(q.shape), dt)
     _checks.check_lse(lse, (b, h, sq), lse_dtype(dt))
     scale = _checks.check_softmax_scale(softmax_scale, d)
-    call = _Call(q, layout, backend, {"dout": do, "q": q, "k": k, "v": v, "o": o, "lse": lse})
+    inputs = {"dout": do, "q": q, "k": k, "v": v, "o": o, "lse": lse}
+    grads = {"dq": dq, "dk": dk, "dv": dv}
+    for name, x, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if x is not None:
+            others = {**inputs, **{n: y for n, y in grads.items() if n != name and y is not None}}
+            _checks.check_out(x, tuple(like.shape), dt, others, name=name)
+    call = _Call(q, layout, backend, {**inputs, **grads})
     with call.context():
-        dq_arr, dq = call.out_array(tuple(qb.shape), numpy_dtype(dt))
-        dk_arr, dk = call.out_array(tuple(kb.shape), numpy_dtype(dt))
-        dv_arr, dv = call.out_array(tuple(vb.shape), numpy_dtype(dt))
+        arrs, works = zip(*((x, call.working_out(x)) if x is not None else call.new(like.shape, numpy_dtype(dt))
+                            for x, like in ((dq, q), (dk, k), (dv, v))))
+        g = [_bshd(x, layout) for x in works]
+        ws = [call.working(n, x) for n, x in (("dout", do), ("q", q), ("k", k), ("v", v), ("o", o))]
+        ins = [*(_bshd(x, layout) for x in ws), call.working("lse", lse)]
+        # the D = rowsum(dO * O) workspace, from the caller's allocator (host backends make their own)
+        dsum = call.new((b, h, sq), lse_dtype(dt))[1] if call.on_device else None
+        if key is not None and _plan.plannable(call.caller, call.be, do, q, k, v, o,
+                                               *(x for x in (dq, dk, dv) if x is not None)):
+            general = functools.partial(_backward, causal=causal, softmax_scale=softmax_scale, layout=layout,
+                                        backend=backend, deterministic=deterministic)
+            launches = call.be.backward_launches(*ins, *g, dsum, causal=bool(causal), softmax_scale=scale)
+            _plan.BACKWARD[key] = _plan.BackwardPlan(call.caller, launches, do, q, k, v, o, lse, (dq, dk, dv), general)
         if b and h and (sq or kb.shape[1]):
-            ws = [call.working(n, x) for n, x in (("dout", do), ("q", q), ("k", k), ("v", v), ("o", o))]
-            dow, qw, kw, vw, ow = (_bshd(x, layout) for x in ws)
-            lw = call.working("lse", lse)
-            call.be.backward(dow, qw, kw, vw, ow, lw, causal=bool(causal), softmax_scale=scale,
-                             deterministic=bool(deterministic), dq=dq, dk=dk, dv=dv)
-        return call.result(dq_arr), call.result(dk_arr), call.result(dv_arr)
+            call.be.backward(*ins, causal=bool(causal), softmax_scale=scale, deterministic=bool(deterministic),
+                             dq=g[0], dk=g[1], dv=g[2], dsum=dsum)
+    for x, w in zip((dq, dk, dv), works):
+        if x is not None:
+            call.write_back(x, w)
+    return tuple(a if x is not None else call.result(a) for a, x in zip(arrs, (dq, dk, dv)))
 
 
 __all__ = ["flash_attn", "flash_attn_forward", "flash_attn_backward"]

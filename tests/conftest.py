@@ -11,10 +11,15 @@ DESIGN.md ("Numbers that must hold") checked against cuflash.reference run on th
 from __future__ import annotations
 
 import math
+import os
 import zlib
 
 import numpy as np
 import pytest
+
+
+# JAX, where a test imports it, must not take 75% of the GPU's memory at its first use.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 def gpu_available() -> tuple[bool, str]:

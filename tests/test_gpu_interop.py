@@ -8,10 +8,8 @@ tests skip themselves where torch (or its CUDA) is missing.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,14 +22,6 @@ def _torch():
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device")
     return torch
-
-
-def _tracking_allocator_class():
-    path = Path(__file__).resolve().parents[1] / "bench" / "memory_check.py"
-    spec = importlib.util.spec_from_file_location("cuflash_bench_memory_check", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.TrackingAllocator
 
 
 def _torch_inputs(torch, key, dtype, b, sq, sk, h, hk, d):
@@ -154,52 +144,6 @@ def test_torch_out_is_written_in_place(gpu):
     assert _torch_bits_differ(torch, out, o_ref) == 0, f"out= result differs from the result without out= [{ctx}]"
     for name, x in (("o", o_ref), ("lse", lse)):
         assert cp.from_dlpack(x).data.ptr == x.data_ptr(), f"{name}: DLPack view is not the tensor's memory [{ctx}]"
-
-
-def test_torch_contiguous_inputs_not_copied(gpu):
-    """Contiguous torch inputs are used in place: during the calls CuPy allocates only the results
-    (lse with out=; o, lse without; dq, dk, dv, dsum in the backward) and torch allocates nothing."""
-    torch = _torch()
-    cp, cf = gpu.cp, gpu.cuflash
-    Tracker = _tracking_allocator_class()
-    dtype, b, sq, sk, h, hk, d, causal = "bfloat16", 2, 512, 512, 4, 2, 128, True
-    ctx = gpu.ctx(dtype, b, sq, sk, h, hk, d, causal, extra="torch no-copy")
-    q, k, v, do = _torch_inputs(torch, ctx, dtype, b, sq, sk, h, hk, d)
-    out = torch.empty_like(q)
-    cf.flash_attn_forward(q, k, v, causal=causal, out=out)  # kernels loaded before measuring
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    torch_before = torch.cuda.memory_allocated()
-    tracker = Tracker(cp.cuda.MemoryPool())
-    with cp.cuda.using_allocator(tracker.malloc):
-        o, lse = cf.flash_attn_forward(q, k, v, causal=causal, out=out)
-        fwd_out = tracker.peak
-        tracker.reset_peak()
-        base = tracker.live()
-        o2, lse2 = cf.flash_attn_forward(q, k, v, causal=causal)
-        fwd_new = tracker.peak - base
-        tracker.reset_peak()
-        base = tracker.live()
-        dq, dk, dv = cf.flash_attn_backward(do, q, k, v, o, lse, causal=causal)
-        bwd = tracker.peak - base
-    torch.cuda.synchronize()
-    torch_extra = torch.cuda.max_memory_allocated() - torch_before
-
-    def r512(n):
-        return -(-n // 512) * 512
-
-    lse_bytes = r512(b * h * sq * 4)
-    o_bytes = r512(q.numel() * q.element_size())
-    grads = sum(r512(x.numel() * x.element_size()) for x in (q, k, v))
-    msg = (f"cupy allocated: forward with out= {fwd_out} B (lse {lse_bytes} B), forward {fwd_new} B "
-           f"(o + lse {o_bytes + lse_bytes} B), backward {bwd} B (dq+dk+dv+dsum {grads + lse_bytes} B); "
-           f"torch allocated {torch_extra} B [{ctx}]")
-    assert fwd_out <= lse_bytes, "forward with out= allocated more than lse: " + msg
-    assert fwd_new <= o_bytes + lse_bytes, "forward allocated more than o + lse: " + msg
-    assert bwd <= grads + lse_bytes, "backward allocated more than dq, dk, dv, dsum: " + msg
-    assert torch_extra == 0, "torch allocated memory during the calls (a copy): " + msg
-    _check_torch(gpu, ctx, dtype, causal, q, k, v, do, o, lse, dq, dk, dv)
-    assert _torch_bits_differ(torch, o, o2) == 0 and _torch_bits_differ(torch, lse, lse2) == 0, msg
 
 
 def test_torch_strided_inputs(gpu):

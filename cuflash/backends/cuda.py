@@ -1,6 +1,16 @@
-"""The CUDA backend: kernels_cu/ compiled through CuPy RawModule, launched on CuPy's current stream."""
+"""The CUDA backend: kernels_cu/ compiled through CuPy RawModule, launched on a raw stream handle.
+
+A call becomes a `Launches`: the params struct as raw bytes, and the kernels that read it. The
+general path builds one per call from CuPy views of the arrays; the plan cache (cuflash/_plan.py)
+keeps one per call signature and patches only the array pointers into its bytes before launching.
+"""
 
 from __future__ import annotations
+
+import struct
+import threading
+
+import numpy as np
 
 from .. import _compile, _params
 from .._checks import check_batch
@@ -9,6 +19,8 @@ from ..config import choose_backward, choose_forward, ceil_div
 
 ON_DEVICE = True
 MIN_COMPUTE_CAPABILITY = 80  # mma.sync m16n8k16 with bf16 and cp.async need sm_80
+ALIGNMENT = 16  # bytes: the kernels load and store q, k, v, o, dout and the gradients 16 bytes at a time
+CUDA_ERROR_INVALID_CONTEXT = 201
 
 
 def available() -> tuple[bool, str]:
@@ -23,59 +35,110 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
-def _aligned(x) -> bool:
-    """16-byte vector loads need a 16-byte aligned base and 16-byte multiples for every stride."""
-    return x.data.ptr % 16 == 0 and all(s % 16 == 0 for s in x.strides[:-1])
+def aligned(x) -> bool:
+    """16-byte vector accesses need a 16-byte aligned base and 16-byte multiples for every stride."""
+    return x.data.ptr % ALIGNMENT == 0 and all(s % ALIGNMENT == 0 for s in x.strides[:-1])
 
 
 def _ready(x):
-    """A kernel-ready view: `x` itself when aligned, else a contiguous copy."""
-    import cupy
-
-    return x if _aligned(x) else cupy.ascontiguousarray(x)
-
-
-def _launch(cfg, grid, params) -> None:
-    if 0 in grid:
-        return
-    _compile.kernel(cfg)(grid, (cfg.threads,), (params,), shared_mem=cfg.smem_bytes)
+    """A kernel-ready view: `x` itself when aligned, else a fresh (aligned, contiguous) copy.
+    Not cupy.ascontiguousarray: it returns a contiguous array as it is, misaligned base included."""
+    return x if aligned(x) else x.copy()
 
 
 def _result_buffer(out):
     """Where a kernel writes a result: `out` itself when aligned, else a temporary copied back."""
     import cupy
 
-    return out if _aligned(out) else cupy.empty(out.shape, out.dtype)
+    return out if aligned(out) else cupy.empty(out.shape, out.dtype)
+
+
+_POINTERS = {n: struct.Struct(f"<{n}Q").pack_into for n in range(1, 6)}
+
+
+class Launches:
+    """The kernel launches of one call and the params struct they share, as raw bytes.
+
+    `patch(offset, *pointers)` rewrites consecutive pointer fields in place; `run(stream)` launches
+    every kernel on a raw CUDA stream handle. The driver copies the params at launch, so the bytes
+    may be patched again as soon as `run` returns; `lock` serializes patch-and-run across threads.
+    """
+
+    def __init__(self, params: np.ndarray, kernels: list[tuple]):
+        from cupy.cuda import driver
+
+        self.launch_kernel, self.driver_error = driver.launchKernel, driver.CUDADriverError
+        self.raw = np.frombuffer(params.tobytes(), dtype=np.uint8).copy()
+        self._argv = np.array([self.raw.ctypes.data], dtype=np.uint64)  # void** to the one kernel arg
+        self.argv = int(self._argv.ctypes.data)
+        # (function handle, grid x, y, z, threads, dynamic shared memory); empty grids launch nothing
+        self.kernels = [(int(_compile.kernel(cfg).kernel.ptr), *grid, cfg.threads, cfg.smem_bytes)
+                        for cfg, grid in kernels if 0 not in grid]
+        self.lock = threading.Lock()
+
+    def patch(self, offset: int, *pointers: int) -> None:
+        _POINTERS[len(pointers)](self.raw, offset, *pointers)
+
+    def run(self, stream: int) -> None:
+        launch = self.launch_kernel
+        for fn, gx, gy, gz, threads, smem in self.kernels:
+            try:
+                launch(fn, gx, gy, gz, threads, 1, 1, smem, stream, self.argv, 0)
+            except self.driver_error as e:
+                if e.status != CUDA_ERROR_INVALID_CONTEXT:
+                    raise
+                from cupy.cuda import runtime
+
+                runtime.setDevice(runtime.getDevice())  # a thread that never used CUDA: bind the context
+                launch(fn, gx, gy, gz, threads, 1, 1, smem, stream, self.argv, 0)
+
+
+def forward_launches(q, k, v, o, lse, *, causal: bool, softmax_scale: float) -> Launches:
+    """The forward of CuPy (batch, seqlen, heads, head_dim) views, kernel-ready (see `aligned`)."""
+    b, sq, h, d = q.shape
+    check_batch(b)
+    cfg = choose_forward(q.dtype, d, causal)
+    p = _params.fwd_params(q, k, v, o, lse, softmax_scale)
+    return Launches(p, [(cfg, (ceil_div(sq, cfg.block_m), h, b))])
+
+
+def backward_launches(do, q, k, v, o, lse, dq, dk, dv, dsum, *, causal: bool, softmax_scale: float) -> Launches:
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    check_batch(b)
+    pre, dkdv, dqk = choose_backward(q.dtype, d, causal)
+    p = _params.bwd_params(do, q, k, v, o, lse, dq, dk, dv, dsum, softmax_scale)
+    return Launches(p, [(pre, (ceil_div(sq, pre.block_m), h, b)), (dkdv, (ceil_div(sk, dkdv.block_n), hk, b)),
+                        (dqk, (ceil_div(sq, dqk.block_m), h, b))])
+
+
+def _current_stream() -> int:
+    import cupy
+
+    return cupy.cuda.get_current_stream().ptr
 
 
 def forward(q, k, v, *, causal, softmax_scale, out, lse):
-    b, sq, h, d = q.shape
-    check_batch(b)
     q, k, v = _ready(q), _ready(k), _ready(v)
     o = _result_buffer(out)
-    cfg = choose_forward(q.dtype, d, causal)
-    p = _params.fwd_params(q, k, v, o, lse, softmax_scale)
-    _launch(cfg, (ceil_div(sq, cfg.block_m), h, b), p[()])
+    forward_launches(q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale).run(_current_stream())
     if o is not out:
         out[...] = o
     return out, lse
 
 
-def backward(do, q, k, v, o, lse, *, causal, softmax_scale, deterministic, dq, dk, dv):
+def backward(do, q, k, v, o, lse, *, causal, softmax_scale, deterministic, dq, dk, dv, dsum=None):
+    """dsum (batch, heads, seqlen_q), lse's dtype: the workspace for D = rowsum(dO * O), from the
+    caller's allocator when given."""
     import cupy
 
     del deterministic  # always: no atomics, fixed reduction order
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    check_batch(b)
+    if dsum is None:
+        dsum = cupy.empty(lse.shape, dtype=lse.dtype)
     do, q, k, v, o = (_ready(x) for x in (do, q, k, v, o))
     bufs = [_result_buffer(x) for x in (dq, dk, dv)]
-    dsum = cupy.empty((b, h, sq), dtype=lse.dtype)
-    pre, dkdv, dqk = choose_backward(q.dtype, d, causal)
-    p = _params.bwd_params(do, q, k, v, o, lse, *bufs, dsum, softmax_scale)[()]
-    _launch(pre, (ceil_div(sq, pre.block_m), h, b), p)
-    _launch(dkdv, (ceil_div(sk, dkdv.block_n), hk, b), p)
-    _launch(dqk, (ceil_div(sq, dqk.block_m), h, b), p)
+    backward_launches(do, q, k, v, o, lse, *bufs, dsum, causal=causal,
+                      softmax_scale=softmax_scale).run(_current_stream())
     for buf, dst in zip(bufs, (dq, dk, dv)):
         if buf is not dst:
             dst[...] = buf

@@ -229,7 +229,7 @@ def _forward(q, k, v, *, causal, softmax_scale, cfg=None, out=None, lse=None):
     return _finish(out, o, q.dtype), _finish(lse, lse_buf, lse_buf.dtype)
 
 
-def _backward(do, q, k, v, o, lse, *, causal, softmax_scale, cfgs=None, dq=None, dk=None, dv=None):
+def _backward(do, q, k, v, o, lse, *, causal, softmax_scale, cfgs=None, dq=None, dk=None, dv=None, dsum=None):
     """backward() with an optional (preprocess, dkdv, dq) KernelConfig override."""
     from ..proto.flash_bwd import make_flash_bwd_dkdv, make_flash_bwd_dq, make_flash_bwd_preprocess
 
@@ -244,7 +244,8 @@ def _backward(do, q, k, v, o, lse, *, causal, softmax_scale, cfgs=None, dq=None,
     work = np.float32 if dt == "bfloat16" else q.dtype
     dq_buf, dk_buf, dv_buf = (_result(given, x.shape, work, xp, launcher.sim)
                               for given, x in ((dq, q), (dk, k), (dv, v)))
-    dsum = xp.empty((batch, nheads, seqlen_q), dtype=_acc_dtype(dt))
+    if dsum is None:
+        dsum = xp.empty((batch, nheads, seqlen_q), dtype=_acc_dtype(dt))
     scale, scale_log2 = _scales(dt, softmax_scale)
     q_, k_, v_, do_, o_, lse_ = (launcher.inp(x) for x in (q, k, v, do, o, lse))
     launcher.launch(make_flash_bwd_preprocess, cfg_pre, (_ceil_div(seqlen_q, cfg_pre.block_m), nheads, batch),
@@ -261,6 +262,9 @@ def forward(q, k, v, *, causal, softmax_scale, out=None, lse=None):
     return _forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse)
 
 
-def backward(do, q, k, v, o, lse, *, causal, softmax_scale, deterministic=False, dq=None, dk=None, dv=None):
-    """(dq, dk, dv); deterministic by construction (no atomics), whatever `deterministic` says."""
-    return _backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, dq=dq, dk=dk, dv=dv)
+def backward(do, q, k, v, o, lse, *, causal, softmax_scale, deterministic=False, dq=None, dk=None, dv=None,
+             dsum=None):
+    """(dq, dk, dv); deterministic by construction (no atomics), whatever `deterministic` says.
+    dsum, when given, is the workspace for D = rowsum(dO * O) (batch, heads, seqlen_q)."""
+    return _backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, dq=dq, dk=dk, dv=dv,
+                     dsum=dsum)

@@ -176,11 +176,12 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, lse=None, bl
 
 
 def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, deterministic=False,
-             dq=None, dk=None, dv=None, block_m=BLOCK_M, block_n=BLOCK_N):
+             dq=None, dk=None, dv=None, dsum=None, block_m=BLOCK_M, block_n=BLOCK_N):
     """(dq, dk, dv) in the input dtype, bshd contiguous, or written into the given dq / dk / dv.
-    Always deterministic (no atomics to avoid)."""
+    Always deterministic (no atomics to avoid). dsum is not used: D is computed here in the
+    grouped layout."""
     dq_out, dk_out, dv_out = dq, dk, dv
-    del deterministic
+    del deterministic, dsum
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     group = nheads // nheads_k

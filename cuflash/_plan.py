@@ -1,0 +1,230 @@
+"""The plan cache: the fast path of a cached call.
+
+Everything about a call that depends only on its signature (array kind, device, dtypes, shapes,
+strides, layout, flags, scale, out= given or not) is worked out once, on the general path in api.py,
+which also validates it. When the call can run straight from the caller's memory (CUDA backend,
+CuPy arrays or torch CUDA tensors, unit-stride rows, 16-byte strides), it leaves a plan here under
+the signature. A call whose signature has a plan reads the data pointers, checks their alignment
+(and that out= overlaps no input), allocates the results with the caller's allocator, patches the
+pointers into the params bytes and launches on the caller's current stream. Anything else (a
+misaligned pointer this time, another current device) takes the general path, which validates
+again, copies what it must and gives the same errors.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from . import _checks, _params
+from .backends import cuda
+
+FORWARD: dict = {}
+BACKWARD: dict = {}
+MISALIGNED = cuda.ALIGNMENT - 1
+
+_SIGNATURE: dict = {}  # array type -> its signature function, registered when a plan is first made
+
+
+def signature(x):
+    """(type, shape, strides, dtype, device) of a CuPy array or torch tensor; KeyError for others."""
+    f = _SIGNATURE.get(x.__class__)
+    if f is None:
+        f = _SIGNATURE[x.__class__] = _signature_function(x.__class__)
+    return f(x)
+
+
+def _signature_function(cls):
+    module = cls.__module__.split(".")[0]
+    if module == "cupy":
+        import cupy
+
+        if issubclass(cls, cupy.ndarray):
+            return _cupy_signature
+    if module == "torch":
+        import torch
+
+        if issubclass(cls, torch.Tensor):
+            return _torch_signature
+    return _no_signature
+
+
+def _no_signature(x):
+    raise KeyError("no plan for this array type")
+
+
+def forward_key(q, k, v, out, causal, softmax_scale, layout, backend):
+    """The plan-cache key of a forward call, or None when the call cannot have a plan (unknown
+    array types; flags and scales other than bool and int/float, which the general path checks)."""
+    try:
+        if causal.__class__ is not bool or (softmax_scale is not None and softmax_scale.__class__ not in (float, int)):
+            return None
+        return (signature(q), signature(k), signature(v), None if out is None else signature(out),
+                causal, softmax_scale, layout, backend)
+    except Exception:
+        return None
+
+
+def backward_key(do, q, k, v, o, lse, dq, dk, dv, causal, softmax_scale, layout, backend, deterministic):
+    try:
+        if (causal.__class__ is not bool or deterministic.__class__ is not bool
+                or (softmax_scale is not None and softmax_scale.__class__ not in (float, int))):
+            return None
+        return (signature(do), signature(q), signature(k), signature(v), signature(o), signature(lse),
+                *(None if x is None else signature(x) for x in (dq, dk, dv)),
+                causal, softmax_scale, layout, backend, deterministic)
+    except Exception:
+        return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Array kinds the fast path serves
+# ------------------------------------------------------------------------------------------------
+
+
+class _Kind:
+    """How the fast path treats one array kind on one device: pointers, the allocator (`same`: a new
+    array with another's dtype and device; `new`: with a given dtype), the current stream."""
+
+    def __init__(self, caller):
+        from cupy.cuda.runtime import getDevice
+
+        self.device = caller.device_id
+        self.current_device = getDevice  # the CUDA runtime's current device, which launches go to
+        if caller.kind == "cupy":
+            import cupy
+
+            ndarray, current = cupy.ndarray, cupy.cuda.get_current_stream
+            self.ptr = _cupy_ptr
+            self.same = lambda like, shape: ndarray(shape, like.dtype)
+            self.new = lambda like, shape, dtype: ndarray(shape, dtype)
+            self.dtype = lambda np_dtype: np_dtype
+            self.stream = lambda: current().ptr
+        else:
+            import torch
+
+            self.ptr = torch.Tensor.data_ptr
+            self.same = torch.Tensor.new_empty  # cheaper than torch.empty: no dtype or device to parse
+            self.new = lambda like, shape, dtype: like.new_empty(shape, dtype=dtype)
+            self.dtype = lambda np_dtype: getattr(torch, np_dtype.name)
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+            self.stream = (functools.partial(raw, self.device) if raw is not None
+                           else lambda: torch.cuda.current_stream(self.device).cuda_stream)
+
+
+def _cupy_ptr(x) -> int:
+    return x.data.ptr
+
+
+def _cupy_signature(x):
+    return (x.__class__, x.shape, x.strides, x.dtype, x.data.device_id)
+
+
+def _torch_signature(x):
+    return (x.__class__, x.shape, x.stride(), x.dtype, x.get_device())
+
+
+def plannable(caller, backend_module, *arrays) -> bool:
+    """Can calls of this signature run from the caller's memory as they are? (the CUDA backend,
+    CuPy or torch CUDA arrays whose strides the kernels take; pointers are checked per call)."""
+    if backend_module is not cuda or caller.kind not in ("cupy", "torch"):
+        return False
+    for x in arrays:
+        strides, itemsize = _checks._byte_strides(x)
+        if x.ndim and x.shape[-1] > 1 and strides[-1] != itemsize:
+            return False
+        if any(s % cuda.ALIGNMENT for s in strides[:-1]):
+            return False
+    return True
+
+
+def _span(x) -> tuple[int, int]:
+    """[lo, hi) bytes an array touches, relative to its data pointer ((0, 0): none)."""
+    if 0 in tuple(x.shape):
+        return 0, 0
+    base = _checks._base(x)
+    lo, hi = _checks._extent(x)
+    return lo - base, hi - base
+
+
+# ------------------------------------------------------------------------------------------------
+# Plans
+# ------------------------------------------------------------------------------------------------
+
+
+class ForwardPlan:
+    """One forward signature: its launches, and how to allocate o and lse."""
+
+    def __init__(self, caller, launches, q, k, v, out, lse_shape, lse_dtype, general):
+        self.kind = kind = _Kind(caller)
+        self.launches = launches
+        self.o_shape = tuple(q.shape)
+        self.lse_shape, self.lse_dtype = tuple(lse_shape), kind.dtype(lse_dtype)
+        self.spans = None if out is None else (_span(out), _span(q), _span(k), _span(v))
+        self.general = general  # the general path (a functools.partial of api._forward), for what this does not serve
+
+    def __call__(self, q, k, v, out):
+        kind = self.kind
+        ptr = kind.ptr
+        pq, pk, pv = ptr(q), ptr(k), ptr(v)
+        po = 0 if out is None else ptr(out)
+        if ((pq | pk | pv | po) & MISALIGNED or kind.current_device() != kind.device
+                or (out is not None and _overlaps(self.spans, po, pq, pk, pv))):
+            return self.general(q, k, v, out=out)
+        o = kind.same(q, self.o_shape) if out is None else out
+        lse = kind.new(q, self.lse_shape, self.lse_dtype)
+        L = self.launches
+        with L.lock:
+            L.patch(_params.FWD_POINTERS, pq, pk, pv, ptr(o), ptr(lse))
+            L.run(kind.stream())
+        return o, lse
+
+
+class BackwardPlan:
+    """One backward signature: its launches, and how to allocate dq, dk, dv and the D workspace."""
+
+    def __init__(self, caller, launches, do, q, k, v, o, lse, grads, general):
+        self.kind = _Kind(caller)
+        self.launches = launches
+        self.shapes = tuple(tuple(x.shape) for x in (q, k, v))
+        self.dsum_shape = tuple(lse.shape)
+        # dq=, dk=, dv= given: their spans, and those of everything they must not overlap
+        self.given = None if all(x is None for x in grads) else tuple(x is not None for x in grads)
+        if self.given is not None:
+            self.spans = [None if x is None else _span(x) for x in (*grads, do, q, k, v, o, lse)]
+        self.general = general
+
+    def __call__(self, do, q, k, v, o, lse, dq=None, dk=None, dv=None):
+        kind = self.kind
+        ptr = kind.ptr
+        pdo, pq, pk, pv, po = ptr(do), ptr(q), ptr(k), ptr(v), ptr(o)
+        if (pdo | pq | pk | pv | po) & MISALIGNED or kind.current_device() != kind.device:
+            return self.general(do, q, k, v, o, lse, dq=dq, dk=dk, dv=dv)
+        same = kind.same
+        if self.given is None:
+            grads = [same(q, shape) for shape in self.shapes]
+        else:
+            grads = [x if x is not None else same(q, shape) for x, shape in zip((dq, dk, dv), self.shapes)]
+            ptrs = [ptr(x) for x in (*grads, do, q, k, v, o, lse)]
+            if any(p & MISALIGNED for p in ptrs[:3]) or _any_overlap(self.spans, ptrs):
+                return self.general(do, q, k, v, o, lse, dq=dq, dk=dk, dv=dv)
+        dsum = same(lse, self.dsum_shape)
+        L = self.launches
+        with L.lock:
+            L.patch(_params.FWD_POINTERS, pq, pk, pv, po, ptr(lse))
+            L.patch(_params.BWD_POINTERS, pdo, *map(ptr, grads), ptr(dsum))
+            L.run(kind.stream())
+        return tuple(grads)
+
+
+def _any_overlap(spans, ptrs) -> bool:
+    """Does a given gradient share bytes with another array? spans (None for a gradient allocated
+    here) and ptrs: dq, dk, dv, then the inputs."""
+    ranges = [None if s is None else (p + s[0], p + s[1]) for p, s in zip(ptrs, spans)]
+    return any(a is not None and b is not None and a[0] < b[1] and b[0] < a[1]
+               for i, a in enumerate(ranges[:3]) for j, b in enumerate(ranges) if j != i)
+
+
+def _overlaps(spans, po: int, *pointers: int) -> bool:
+    """Does out (at po) share bytes with any input? spans: [lo, hi) of out, then of each input."""
+    (olo, ohi), *inputs = spans
+    return any(po + olo < p + hi and p + lo < po + ohi for p, (lo, hi) in zip(pointers, inputs))
