@@ -112,6 +112,9 @@ def flash_attn_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bsh
     lse[b, h, i] = log(sum_j exp(softmax_scale * q_i . k_j)) over the keys row i sees
     (-inf, with o = 0, for a row that sees none).
     """
+    for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
+        _checks.check_array(name, x, optional=name == "out")
+    causal = _checks.check_flag("causal", causal)
     _checks.check_layout(layout)
     dt, qb, kb, vb = _validate_qkv(q, k, v, layout)
     b, sq, h, d = qb.shape
@@ -134,6 +137,7 @@ def flash_attn_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bsh
 
 def flash_attn(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, layout="bshd", backend="auto", out=None):
     """Exact attention o = softmax(softmax_scale * q k^T) v; with return_lse=True, (o, lse)."""
+    return_lse = _checks.check_flag("return_lse", return_lse)
     o, lse = flash_attn_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
                                 backend=backend, out=out)
     return (o, lse) if return_lse else o
@@ -147,6 +151,10 @@ def flash_attn_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None
     every gradient element is reduced in a fixed order (no atomics), so `deterministic` is accepted
     for FlashAttention compatibility and repeated calls are bitwise identical either way.
     """
+    for name, x in (("dout", do), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse)):
+        _checks.check_array(name, x)
+    causal = _checks.check_flag("causal", causal)
+    deterministic = _checks.check_flag("deterministic", deterministic)
     _checks.check_layout(layout)
     dt, qb, kb, vb = _validate_qkv(q, k, v, layout)
     b, sq, h, d = qb.shape
