@@ -1,7 +1,10 @@
 """Input validation: one function per rule, one clear message per failure.
 
-Each message names the argument, what was expected and what was given. Dtype problems raise
-TypeError; everything else (shapes, layouts, devices, values) raises ValueError.
+Each message names the argument, what was expected and what was given. One rule for the exception
+type: an argument of the wrong type or dtype raises TypeError (a list where an array belongs, a
+string where a bool or a number belongs, layout=3, a float64 `out=` for float32 inputs); an argument
+of the right type with a wrong value raises ValueError (a shape, a head_dim, a layout or backend
+name, a softmax_scale that is not finite and positive, memory shared between `out=` and an input).
 """
 
 from __future__ import annotations
@@ -14,6 +17,25 @@ from .config import DTYPES, MAX_HEAD_DIM, dtype_name
 
 LAYOUTS = ("bshd", "bhsd")
 BACKENDS = ("auto", "cuda", "numba", "numpy")
+
+
+def check_array(name: str, x, *, optional: bool = False) -> None:
+    """`x` is an array (it has shape, dtype and ndim); None passes when the argument is optional.
+
+    Runs before anything reads an array's attributes, so that a list or a scalar gives a TypeError
+    naming the argument instead of an AttributeError from deep inside."""
+    if x is None and optional:
+        return
+    if not all(hasattr(x, attr) for attr in ("shape", "dtype", "ndim")):
+        raise TypeError(f"{name}: expected a NumPy or CuPy array or a DLPack producer (torch, JAX...), "
+                        f"got {type(x).__name__}")
+
+
+def check_flag(name: str, value) -> bool:
+    """A boolean argument: Python bool or numpy.bool_ only (a string "False" is truthy, 1 is not a bool)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool (True or False), got {value!r} of type {type(value).__name__}")
+    return bool(value)
 
 
 def check_dtype(name: str, x) -> str:
@@ -39,14 +61,19 @@ def _axes(layout: str) -> str:
     return "batch, seqlen, nheads, head_dim" if layout == "bshd" else "batch, nheads, seqlen, head_dim"
 
 
+def _check_choice(name: str, value, choices: tuple) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected a str, one of {choices}, got {value!r} of type {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+
+
 def check_layout(layout) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    _check_choice("layout", layout, LAYOUTS)
 
 
 def check_backend(backend) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    _check_choice("backend", backend, BACKENDS)
 
 
 def check_qkv(q, k, v) -> None:
@@ -72,12 +99,17 @@ def check_head_dim(d: int) -> None:
 
 
 def check_softmax_scale(scale, head_dim: int) -> float:
+    """None (1 / sqrt(head_dim)), or a real number: int, float, a NumPy integer or floating scalar.
+    bool, str, complex and arrays are the wrong type; the value must be finite and > 0."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"softmax_scale: expected None or a real number (int, float, NumPy integer or floating "
+                        f"scalar), got {scale!r} of type {type(scale).__name__}")
     try:
         s = float(scale)
-    except (TypeError, ValueError):
-        raise ValueError(f"softmax_scale: expected a finite positive number, got {scale!r}") from None
+    except OverflowError:  # an int too large for a float
+        s = math.inf
     if not math.isfinite(s) or s <= 0.0:
         raise ValueError(f"softmax_scale: expected a finite positive number, got {scale!r}")
     return s
@@ -110,7 +142,7 @@ def check_out(out, shape: tuple, dtype: str, inputs: dict, name: str = "out") ->
     except TypeError:
         got = str(out.dtype)
     if got != dtype:
-        raise ValueError(f"{name}: dtype must be {dtype} (q's), got {got}")
+        raise TypeError(f"{name}: dtype must be {dtype} (q's), got {got}")
     strides, itemsize = _byte_strides(out)
     if out.shape[-1] > 1 and strides[-1] != itemsize:
         raise ValueError(f"{name}: the last dimension must be contiguous (stride {itemsize} bytes), got {strides[-1]}")

@@ -19,19 +19,99 @@ import functools
 import numpy as np
 
 
+# CUDA runtime error codes that gpu_status turns into plain words.
+_CUDA_ERROR_INSUFFICIENT_DRIVER = 35  # cudaErrorInsufficientDriver
+_CUDA_ERROR_NO_DEVICE = 100  # cudaErrorNoDevice
+
+
+def _driver_library() -> str:
+    """The NVIDIA driver's CUDA library, as the CUDA runtime itself loads it."""
+    import sys
+
+    return "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
+
+
+def _driver_load_error() -> str | None:
+    """None when the NVIDIA driver's CUDA library loads, else the loader's reason."""
+    import ctypes
+
+    lib = _driver_library()
+    try:
+        ctypes.CDLL(lib)
+    except OSError as e:
+        reason = str(e) or type(e).__name__
+        return reason[len(lib) + 2:] if reason.startswith(lib + ": ") else reason  # dlerror repeats the name
+    return None
+
+
+def _cuda_version(v: int) -> str:
+    """A CUDA version number (12040) as text ("12.4")."""
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def _driver_too_old(driver: int | None, runtime) -> str:
+    """The reason for cudaErrorInsufficientDriver: what the driver supports, what CuPy needs."""
+    try:
+        rt = int(runtime.runtimeGetVersion())
+    except Exception:
+        rt = None
+    has = f"CUDA {_cuda_version(driver)}" if driver else "an unknown CUDA version"
+    if rt is None:
+        needs = "a newer CUDA"
+    elif driver and driver // 1000 == rt // 1000:
+        needs = f"CUDA {_cuda_version(rt)}"
+    else:  # CUDA's minor version compatibility: any driver of the runtime's major version will do
+        needs = f"CUDA {rt // 1000}.0 or newer (its runtime is {_cuda_version(rt)})"
+    why = f"driver too old for this CuPy (driver supports {has}, CuPy needs {needs})"
+    if driver and rt is not None and driver // 1000 in (12, 13) and driver // 1000 < rt // 1000:
+        why += f"; update the NVIDIA driver or install cuflash[cuda{driver // 1000}]"
+    return why
+
+
+def _no_device() -> str:
+    import os
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return f"no CUDA device visible (CUDA_VISIBLE_DEVICES={visible!r})"
+    return "no CUDA device visible (the NVIDIA driver is loaded but reports no GPU)"
+
+
 @functools.lru_cache(maxsize=1)
 def gpu_status() -> tuple[bool, str]:
-    """(a CUDA GPU is usable through CuPy, why not)."""
+    """(a CUDA GPU is usable through CuPy, why not).
+
+    The reasons, checked in this order: "no NVIDIA driver found (...)" when the driver's CUDA
+    library (libcuda.so.1) cannot be loaded or the CUDA runtime reports no driver; "CuPy is not
+    importable (...)"; "driver too old for this CuPy (driver supports CUDA X, CuPy needs Y)" for
+    cudaErrorInsufficientDriver; "no CUDA device visible (...)" for cudaErrorNoDevice or a device
+    count of 0; any other CUDA error as "CUDA cannot be initialized (...)".
+    """
+    load_error = _driver_load_error()
+    if load_error is not None:
+        return False, f"no NVIDIA driver found (cannot load {_driver_library()}: {load_error})"
     try:
         import cupy
     except Exception as e:  # ImportError, or a broken CUDA install
         return False, f"CuPy is not importable ({type(e).__name__}: {e}); install cuflash[cuda12] or cuflash[cuda13]"
+    runtime = cupy.cuda.runtime
     try:
-        n = cupy.cuda.runtime.getDeviceCount()
+        driver = int(runtime.driverGetVersion())
+    except Exception:
+        driver = None
+    if driver == 0:  # cudaDriverGetVersion's answer when no driver is installed
+        return False, "no NVIDIA driver found (the CUDA runtime reports driver version 0)"
+    try:
+        n = runtime.getDeviceCount()
     except Exception as e:
-        return False, f"no CUDA driver or device ({type(e).__name__}: {e})"
+        status = getattr(e, "status", None)
+        if status == _CUDA_ERROR_INSUFFICIENT_DRIVER:
+            return False, _driver_too_old(driver, runtime)
+        if status == _CUDA_ERROR_NO_DEVICE:
+            return False, _no_device()
+        return False, f"CUDA cannot be initialized ({type(e).__name__}: {e})"
     if n == 0:
-        return False, "no CUDA device visible"
+        return False, _no_device()
     return True, ""
 
 

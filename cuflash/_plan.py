@@ -22,55 +22,57 @@ FORWARD: dict = {}
 BACKWARD: dict = {}
 MISALIGNED = cuda.ALIGNMENT - 1
 
-_SIGNATURE: dict = {}  # array type -> its signature function, registered when a plan is first made
+_SIGNATURE: dict = {}  # array type -> its signature function
 
 
-def signature(x):
-    """(type, shape, strides, dtype, device) of a CuPy array or torch tensor; KeyError for others."""
-    f = _SIGNATURE.get(x.__class__)
+def _signature_of(cls):
+    """The signature function for arrays of q's type: (type, shape, strides, dtype, device) of a CuPy
+    array or torch tensor; for other types one that raises (no plan)."""
+    f = _SIGNATURE.get(cls)
     if f is None:
-        f = _SIGNATURE[x.__class__] = _signature_function(x.__class__)
-    return f(x)
+        f = _no_signature
+        module = cls.__module__.split(".")[0]
+        if module == "cupy":
+            import cupy
 
+            f = _cupy_signature if issubclass(cls, cupy.ndarray) else f
+        elif module == "torch":
+            import torch
 
-def _signature_function(cls):
-    module = cls.__module__.split(".")[0]
-    if module == "cupy":
-        import cupy
-
-        if issubclass(cls, cupy.ndarray):
-            return _cupy_signature
-    if module == "torch":
-        import torch
-
-        if issubclass(cls, torch.Tensor):
-            return _torch_signature
-    return _no_signature
+            f = _torch_signature if issubclass(cls, torch.Tensor) else f
+        _SIGNATURE[cls] = f
+    return f
 
 
 def _no_signature(x):
     raise KeyError("no plan for this array type")
 
 
+def _not_flag_or_scale(causal, softmax_scale, deterministic=False) -> bool:
+    """Values the general path must check (it rejects some, converts others): no key for them."""
+    return (causal.__class__ is not bool or deterministic.__class__ is not bool
+            or (softmax_scale is not None and softmax_scale.__class__ not in (float, int)))
+
+
 def forward_key(q, k, v, out, causal, softmax_scale, layout, backend):
-    """The plan-cache key of a forward call, or None when the call cannot have a plan (unknown
-    array types; flags and scales other than bool and int/float, which the general path checks)."""
+    """The plan-cache key of a forward call, or None when the call cannot have a plan. Every array
+    gets q's signature function: each signature holds its own type, and a foreign type raises."""
+    if _not_flag_or_scale(causal, softmax_scale):
+        return None
     try:
-        if causal.__class__ is not bool or (softmax_scale is not None and softmax_scale.__class__ not in (float, int)):
-            return None
-        return (signature(q), signature(k), signature(v), None if out is None else signature(out),
-                causal, softmax_scale, layout, backend)
+        sig = _signature_of(q.__class__)
+        return (sig(q), sig(k), sig(v), None if out is None else sig(out), causal, softmax_scale, layout, backend)
     except Exception:
         return None
 
 
 def backward_key(do, q, k, v, o, lse, dq, dk, dv, causal, softmax_scale, layout, backend, deterministic):
+    if _not_flag_or_scale(causal, softmax_scale, deterministic):
+        return None
     try:
-        if (causal.__class__ is not bool or deterministic.__class__ is not bool
-                or (softmax_scale is not None and softmax_scale.__class__ not in (float, int))):
-            return None
-        return (signature(do), signature(q), signature(k), signature(v), signature(o), signature(lse),
-                *(None if x is None else signature(x) for x in (dq, dk, dv)),
+        sig = _signature_of(q.__class__)
+        return (sig(do), sig(q), sig(k), sig(v), sig(o), sig(lse), None if dq is None else sig(dq),
+                None if dk is None else sig(dk), None if dv is None else sig(dv),
                 causal, softmax_scale, layout, backend, deterministic)
     except Exception:
         return None

@@ -115,6 +115,9 @@ def flash_attn_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bsh
 
 def _forward(q, k, v, *, causal, softmax_scale, layout, backend, out, key=None):
     """The general path of flash_attn_forward; with a key, it may leave a plan for the signature."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
+        _checks.check_array(name, x, optional=name == "out")
+    causal = _checks.check_flag("causal", causal)
     _checks.check_layout(layout)
     dt, qb, kb, vb = _validate_qkv(q, k, v, layout)
     b, sq, h, d = qb.shape
@@ -131,11 +134,11 @@ def _forward(q, k, v, *, causal, softmax_scale, layout, backend, out, key=None):
         if key is not None and _plan.plannable(call.caller, call.be, q, k, v, *outputs):
             general = functools.partial(_forward, causal=causal, softmax_scale=softmax_scale, layout=layout,
                                         backend=backend)
-            launches = call.be.forward_launches(*inputs, o, lse, causal=bool(causal), softmax_scale=scale)
+            launches = call.be.forward_launches(*inputs, o, lse, causal=causal, softmax_scale=scale)
             _plan.FORWARD[key] = _plan.ForwardPlan(call.caller, launches, q, k, v, out, (b, h, sq),
                                                    numpy_dtype(lse_dtype(dt)), general)
         if b and sq and h:
-            call.be.forward(*inputs, causal=bool(causal), softmax_scale=scale, out=o, lse=lse)
+            call.be.forward(*inputs, causal=causal, softmax_scale=scale, out=o, lse=lse)
     if out is None:
         return call.result(o_arr), call.result(lse_arr)
     call.write_back(out, o_work)
@@ -144,6 +147,8 @@ def _forward(q, k, v, *, causal, softmax_scale, layout, backend, out, key=None):
 
 def flash_attn(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, layout="bshd", backend="auto", out=None):
     """Exact attention o = softmax(softmax_scale * q k^T) v; with return_lse=True, (o, lse)."""
+    if return_lse.__class__ is not bool:  # the check only where it can fail: this runs on every call
+        return_lse = _checks.check_flag("return_lse", return_lse)
     o, lse = flash_attn_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
                                 backend=backend, out=out)
     return (o, lse) if return_lse else o
@@ -169,6 +174,11 @@ def flash_attn_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None
 def _backward(do, q, k, v, o, lse, *, causal, softmax_scale, layout, backend, deterministic, dq=None, dk=None,
               dv=None, key=None):
     """The general path of flash_attn_backward; with a key, it may leave a plan for the signature."""
+    for name, x in (("dout", do), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse),
+                    ("dq", dq), ("dk", dk), ("dv", dv)):
+        _checks.check_array(name, x, optional=name in ("dq", "dk", "dv"))
+    causal = _checks.check_flag("causal", causal)
+    deterministic = _checks.check_flag("deterministic", deterministic)
     _checks.check_layout(layout)
     dt, qb, kb, vb = _validate_qkv(q, k, v, layout)
     b, sq, h, d = qb.shape
@@ -196,10 +206,10 @@ def _backward(do, q, k, v, o, lse, *, causal, softmax_scale, layout, backend, de
                                                *(x for x in (dq, dk, dv) if x is not None)):
             general = functools.partial(_backward, causal=causal, softmax_scale=softmax_scale, layout=layout,
                                         backend=backend, deterministic=deterministic)
-            launches = call.be.backward_launches(*ins, *g, dsum, causal=bool(causal), softmax_scale=scale)
+            launches = call.be.backward_launches(*ins, *g, dsum, causal=causal, softmax_scale=scale)
             _plan.BACKWARD[key] = _plan.BackwardPlan(call.caller, launches, do, q, k, v, o, lse, (dq, dk, dv), general)
         if b and h and (sq or kb.shape[1]):
-            call.be.backward(*ins, causal=bool(causal), softmax_scale=scale, deterministic=bool(deterministic),
+            call.be.backward(*ins, causal=causal, softmax_scale=scale, deterministic=deterministic,
                              dq=g[0], dk=g[1], dv=g[2], dsum=dsum)
     for x, w in zip((dq, dk, dv), works):
         if x is not None:

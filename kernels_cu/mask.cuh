@@ -9,6 +9,7 @@ namespace cuflash {
 // Largest visible key column + 1 for a query row (may be <= 0: the row sees no key).
 template <bool kIsCausal>
 __device__ __forceinline__ int col_limit(int row, int seqlen_q, int seqlen_k) {
+    // [1] col_limit: seqlen_k, or if causal min(seqlen_k, row + 1 + seqlen_k - seqlen_q)
     if (kIsCausal) return min(seqlen_k, row + 1 + seqlen_k - seqlen_q);
     return seqlen_k;
 }
@@ -17,6 +18,7 @@ __device__ __forceinline__ int col_limit(int row, int seqlen_q, int seqlen_k) {
 // blocks wholly above the diagonal. Can be <= 0 when every row of the block sees no key.
 template <bool kIsCausal, int kBlockM, int kBlockN>
 __device__ __forceinline__ int n_block_max(int m_block, int seqlen_q, int seqlen_k) {
+    // [2] Key blocks to visit: ceil_div(max(col_limit of the block's last row, 0), block_n)
     int limit = col_limit<kIsCausal>(min((m_block + 1) * kBlockM, seqlen_q) - 1, seqlen_q, seqlen_k);
     return ceil_div(max(limit, 0), kBlockN);
 }
@@ -25,6 +27,7 @@ __device__ __forceinline__ int n_block_max(int m_block, int seqlen_q, int seqlen
 // blocks lie wholly above the diagonal and are skipped).
 template <bool kIsCausal, int kBlockM, int kBlockN>
 __device__ __forceinline__ int m_block_min(int n_block, int seqlen_q, int seqlen_k) {
+    // [3] First query block to visit: 0, or if causal max(n_block * block_n - (seqlen_k - seqlen_q), 0) / block_m
     if (!kIsCausal) return 0;
     int first_row = max(n_block * kBlockN - (seqlen_k - seqlen_q), 0);
     return first_row / kBlockM;
@@ -33,6 +36,7 @@ __device__ __forceinline__ int m_block_min(int n_block, int seqlen_q, int seqlen
 // Does key block n_block need per-element masking for query block m_block? (tail or diagonal)
 template <bool kIsCausal, int kBlockM, int kBlockN>
 __device__ __forceinline__ bool block_needs_mask(int m_block, int n_block, int seqlen_q, int seqlen_k) {
+    // [4] Mask a tile that crosses seqlen_k or, if causal, whose last column its first row cannot see
     if ((n_block + 1) * kBlockN > seqlen_k) return true;
     if (!kIsCausal) return false;
     // The block's last column must be visible from its first row.
@@ -47,6 +51,7 @@ __device__ __forceinline__ bool block_needs_mask(int m_block, int n_block, int s
 template <bool kIsCausal, int kMTiles, int kNTiles>
 __device__ __forceinline__ void mask_scores(float (&acc_s)[kMTiles][kNTiles][4], int row0, int col0, int lane,
                                             int seqlen_q, int seqlen_k) {
+    // [5] Scores at or past their row's col_limit become -inf
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int mi = 0; mi < kMTiles; ++mi) {

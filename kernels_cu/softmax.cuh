@@ -19,6 +19,7 @@ struct OnlineSoftmax {
     float row_sum[kRows];
 
     __device__ __forceinline__ void init() {
+        // [1] Start every row with row_max = -inf and row_sum = 0
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
             row_max[r] = neg_inf<float>();
@@ -38,11 +39,14 @@ struct OnlineSoftmax {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int r = 2 * mi + h;
+                // [2] Row max of the key block, reduced over the row's threads: m = max(row_max, max_j S)
                 float m = row_max[r];
 #pragma unroll
                 for (int ni = 0; ni < kNTiles; ++ni) m = fmaxf(m, fmaxf(acc_s[mi][ni][2 * h], acc_s[mi][ni][2 * h + 1]));
                 m = warp_allreduce_max<4>(m);
+                // [3] Offset m * scale_log2 for exp2, or 0 for a row that has seen no key (its P is 0, never NaN)
                 const float m_scaled = (m == neg_inf<float>()) ? 0.f : m * scale_log2;
+                // [4] Rescale acc_o and row_sum by exp2((old row_max - new row_max) * scale_log2), difference first
                 // (old - new) first: exactly 1 when the max did not move (an FMA of the two products
                 // would not be, and its error would pile up over key blocks).
                 const float correction = (m == neg_inf<float>()) ? 1.f : exp2f((row_max[r] - m) * scale_log2);
@@ -53,6 +57,7 @@ struct OnlineSoftmax {
                     acc_o[mi][no][2 * h] *= correction;
                     acc_o[mi][no][2 * h + 1] *= correction;
                 }
+                // [5] P = exp2(S * scale_log2 - offset) in place of S; add the row sums of P to row_sum
 #pragma unroll
                 for (int ni = 0; ni < kNTiles; ++ni) {
 #pragma unroll
@@ -77,7 +82,9 @@ struct OnlineSoftmax {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int r = 2 * mi + h;
+                // [6] Reduce row_sum over the row's threads
                 const float sum = warp_allreduce_sum<4>(row_sum[r]);
+                // [7] O /= row_sum, LSE = row_max * softmax_scale + log(row_sum); row_sum = 0 gives O = 0, LSE = -inf
                 const bool empty = sum == 0.f;  // NaN inputs stay NaN
                 const float inv = empty ? 0.f : 1.f / sum;
                 lse[r] = empty ? neg_inf<float>() : row_max[r] * softmax_scale + logf(sum);

@@ -100,8 +100,10 @@ def test_out_wrong_shape_and_dtype():
     q, k, v = qkv()
     with pytest.raises(ValueError, match=r"out: expected shape \(2, 5, 4, 16\), got \(2, 5, 4, 8\)"):
         fwd(q, k, v, out=np.empty((2, 5, 4, 8), np.float32))
-    with pytest.raises(ValueError, match=r"out: dtype must be float32 \(q's\), got float64"):
+    with pytest.raises(TypeError, match=r"out: dtype must be float32 \(q's\), got float64"):
         fwd(q, k, v, out=np.empty(q.shape, np.float64))
+    with pytest.raises(TypeError, match=r"out: dtype must be float32 \(q's\), got int32"):
+        fwd(q, k, v, out=np.empty(q.shape, np.int32))
 
 
 @pytest.mark.parametrize("alias", ["q", "v"])
@@ -130,11 +132,36 @@ def test_different_devices():
         _interop.check_devices(q=np.zeros(1), k=FakeCuda())
 
 
-@pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0, -1.0, "x"])
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0, -1.0, 0, -2, np.float32("nan"),
+                                   np.float64("-inf"), np.int64(0), 10**400])
 def test_bad_softmax_scale(scale):
     q, k, v = qkv()
     with pytest.raises(ValueError, match=r"softmax_scale: expected a finite positive number, got"):
         fwd(q, k, v, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("scale", ["x", "0.5", True, np.bool_(True), 0.5 + 0j, np.complex64(0.5), [0.5],
+                                   np.array(0.5), np.array([0.5])],
+                         ids=["str", "numeric-str", "bool", "np.bool_", "complex", "np.complex64", "list",
+                              "0-d-array", "1-d-array"])
+def test_softmax_scale_wrong_type(scale):
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"softmax_scale: expected None or a real number \(int, float, NumPy integer "
+                                        r"or floating scalar\), got .+ of type"):
+        fwd(q, k, v, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("scale", [1, np.int32(1), np.float16(0.25), np.float32(0.25), np.float64(0.25), 0.25])
+def test_softmax_scale_real_numbers(scale):
+    """Every accepted kind of number gives the result of the same value as a Python float."""
+    q, k, v = qkv()
+    o, lse = fwd(q, k, v, softmax_scale=scale)
+    o_ref, lse_ref = fwd(q, k, v, softmax_scale=float(scale))
+    np.testing.assert_array_equal(o, o_ref)
+    np.testing.assert_array_equal(lse, lse_ref)
+    o_default, _ = fwd(q, k, v)  # 1 / sqrt(16) = 0.25: the default is used only for None
+    if float(scale) != 0.25:
+        assert not np.array_equal(o, o_default)
 
 
 def test_bad_layout_and_backend():
@@ -143,6 +170,22 @@ def test_bad_layout_and_backend():
         fwd(q, k, v, layout="sbhd")
     with pytest.raises(ValueError, match=r"backend: expected one of \('auto', 'cuda', 'numba', 'numpy'\), got 'triton'"):
         cuflash.flash_attn(q, k, v, backend="triton")
+    with pytest.raises(ValueError, match=r"layout: expected one of \('bshd', 'bhsd'\), got 'xyz'"):
+        cuflash.flash_attn_backward(q, q, k, v, q, np.zeros((2, 4, 5), np.float32), layout="xyz", backend="numpy")
+
+
+@pytest.mark.parametrize("layout", [3, None, b"bshd", ("bshd",)])
+def test_layout_wrong_type(layout):
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"layout: expected a str, one of \('bshd', 'bhsd'\), got .+ of type"):
+        fwd(q, k, v, layout=layout)
+
+
+@pytest.mark.parametrize("backend", [None, 3, b"numpy"])
+def test_backend_wrong_type(backend):
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"backend: expected a str, one of \('auto', 'cuda', 'numba', 'numpy'\), got "):
+        cuflash.flash_attn(q, k, v, backend=backend)
 
 
 def test_forced_backend_that_cannot_run_says_why():
@@ -202,3 +245,125 @@ def test_backward_argument_checks():
         cuflash.flash_attn_backward(o, q, k, v, o, lse.transpose(0, 2, 1), backend="numpy")
     with pytest.raises(TypeError, match=r"lse: dtype must be float32, got float64"):
         cuflash.flash_attn_backward(o, q, k, v, o, lse.astype(np.float64), backend="numpy")
+
+
+# --- the exception rule: TypeError for a wrong type or dtype, ValueError for a wrong value -----------
+
+_ARRAY_MSG = r"expected a NumPy or CuPy array or a DLPack producer \(torch, JAX\.\.\.\), got "
+
+
+_NOT_ARRAYS = {"list": lambda x: x.tolist(), "None": lambda x: None, "float": lambda x: 1.5, "str": lambda x: "q"}
+
+
+@pytest.mark.parametrize("which,bad", [(w, b) for w in ("q", "k", "v", "out") for b in _NOT_ARRAYS
+                                       if (w, b) != ("out", "None")])  # out=None is the default
+def test_forward_non_array_argument(which, bad):
+    q, k, v = qkv()
+    args = {"q": q, "k": k, "v": v, "out": np.empty_like(q)}
+    args[which] = _NOT_ARRAYS[bad](args[which])
+    kind = type(args[which]).__name__
+    with pytest.raises(TypeError, match=rf"^{which}: {_ARRAY_MSG}{kind}$"):
+        cuflash.flash_attn_forward(**args, backend="numpy")
+    with pytest.raises(TypeError, match=rf"^{which}: {_ARRAY_MSG}{kind}$"):
+        cuflash.flash_attn(**args, backend="numpy")
+
+
+@pytest.mark.parametrize("which", ["dout", "q", "k", "v", "o", "lse"])
+def test_backward_non_array_argument(which):
+    q, k, v = qkv()
+    o, lse = fwd(q, k, v)
+    args = {"dout": o, "q": q, "k": k, "v": v, "o": o, "lse": lse}
+    args[which] = args[which].tolist()
+    with pytest.raises(TypeError, match=rf"^{which}: {_ARRAY_MSG}list$"):
+        cuflash.flash_attn_backward(*args.values(), backend="numpy")
+
+
+def test_non_array_checked_before_other_arguments():
+    """A list q is reported as such even when other arguments are wrong too (nothing reads q.ndim first)."""
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=rf"^q: {_ARRAY_MSG}list$"):
+        cuflash.flash_attn(q.tolist(), k, v, causal="yes", layout="xyz", backend="numpy")
+
+
+@pytest.mark.parametrize("value", ["False", "True", 1, 0, None, 1.0, np.int64(1), np.array(True), [True]],
+                         ids=["str-False", "str-True", "int-1", "int-0", "None", "float", "np.int64", "0-d-array",
+                              "list"])
+def test_flags_must_be_bools(value):
+    q, k, v = qkv()
+    o, lse = fwd(q, k, v)
+    msg = r": expected a bool \(True or False\), got .* of type "
+    with pytest.raises(TypeError, match=r"^causal" + msg):
+        fwd(q, k, v, causal=value)
+    with pytest.raises(TypeError, match=r"^causal" + msg):
+        cuflash.flash_attn(q, k, v, causal=value, backend="numpy")
+    with pytest.raises(TypeError, match=r"^return_lse" + msg):
+        cuflash.flash_attn(q, k, v, return_lse=value, backend="numpy")
+    with pytest.raises(TypeError, match=r"^causal" + msg):
+        cuflash.flash_attn_backward(o, q, k, v, o, lse, causal=value, backend="numpy")
+    with pytest.raises(TypeError, match=r"^deterministic" + msg):
+        cuflash.flash_attn_backward(o, q, k, v, o, lse, deterministic=value, backend="numpy")
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_numpy_bool_flags_are_accepted(flag):
+    """numpy.bool_ (what comparisons on arrays give) means the same as the Python bool."""
+    q, k, v = qkv(sq=7, sk=7)
+    o, lse = cuflash.flash_attn(q, k, v, causal=np.bool_(flag), return_lse=np.bool_(True), backend="numpy")
+    o_ref, lse_ref = cuflash.flash_attn(q, k, v, causal=flag, return_lse=True, backend="numpy")
+    np.testing.assert_array_equal(o, o_ref)
+    np.testing.assert_array_equal(lse, lse_ref)
+    assert isinstance(cuflash.flash_attn(q, k, v, return_lse=np.bool_(False), backend="numpy"), np.ndarray)
+    grads = cuflash.flash_attn_backward(o, q, k, v, o, lse, causal=np.bool_(flag), deterministic=np.bool_(flag),
+                                        backend="numpy")
+    for g, r in zip(grads, cuflash.flash_attn_backward(o, q, k, v, o, lse, causal=flag, backend="numpy")):
+        np.testing.assert_array_equal(g, r)
+
+
+def test_causal_string_false_no_longer_runs_causal():
+    """The bug this rule fixes: "False" is a truthy string, and used to run a causal attention."""
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"^causal: expected a bool \(True or False\), got 'False' of type str$"):
+        fwd(q, k, v, causal="False")
+
+
+def test_check_helpers_directly():
+    from cuflash import _checks
+
+    assert _checks.check_flag("x", True) is True and _checks.check_flag("x", np.bool_(False)) is False
+    _checks.check_array("q", np.zeros((1, 1, 1, 8)))
+    _checks.check_array("out", None, optional=True)
+    with pytest.raises(TypeError, match=rf"^out: {_ARRAY_MSG}NoneType$"):
+        _checks.check_array("out", None)
+    with pytest.raises(TypeError, match=rf"^q: {_ARRAY_MSG}tuple$"):
+        _checks.check_array("q", (1, 2))
+    assert _checks.check_softmax_scale(None, 64) == 0.125
+    assert _checks.check_softmax_scale(np.float32(0.5), 64) == 0.5
+    assert type(_checks.check_softmax_scale(np.int8(2), 64)) is float
+
+
+@pytest.mark.parametrize("call,exc", [
+    # wrong types and dtypes
+    pytest.param(lambda q, k, v: fwd(q.tolist(), k, v), TypeError, id="list-q"),
+    pytest.param(lambda q, k, v: fwd(q, k, v.astype(np.int16)), TypeError, id="int-dtype"),
+    pytest.param(lambda q, k, v: fwd(q, k.astype(np.float64), v), TypeError, id="mixed-dtype"),
+    pytest.param(lambda q, k, v: fwd(q, k, v, out=np.empty(q.shape, np.float16)), TypeError, id="out-dtype"),
+    pytest.param(lambda q, k, v: fwd(q, k, v, causal="False"), TypeError, id="causal-str"),
+    pytest.param(lambda q, k, v: fwd(q, k, v, softmax_scale="0.5"), TypeError, id="scale-str"),
+    pytest.param(lambda q, k, v: fwd(q, k, v, layout=3), TypeError, id="layout-int"),
+    pytest.param(lambda q, k, v: cuflash.flash_attn(q, k, v, backend=None), TypeError, id="backend-None"),
+    # wrong values
+    pytest.param(lambda q, k, v: fwd(q[0], k, v), ValueError, id="ndim"),
+    pytest.param(lambda q, k, v: fwd(q, k[:, :3], v), ValueError, id="k-v-shapes"),
+    pytest.param(lambda q, k, v: fwd(q, k, v, out=np.empty((1,) + q.shape[1:], np.float32)), ValueError, id="out-shape"),
+    pytest.param(lambda q, k, v: fwd(q, k, v, out=q), ValueError, id="out-aliases-q"),
+    pytest.param(lambda q, k, v: fwd(q, k, v, softmax_scale=-0.5), ValueError, id="scale-negative"),
+    pytest.param(lambda q, k, v: fwd(q, k, v, layout="xyz"), ValueError, id="layout-name"),
+    pytest.param(lambda q, k, v: cuflash.flash_attn(q, k, v, backend="xyz"), ValueError, id="backend-name"),
+])
+def test_exception_rule(call, exc):
+    """One rule for every argument: TypeError for a wrong type or dtype, ValueError for a wrong value
+    (and never the other one, nor an AttributeError from inside)."""
+    q, k, v = qkv()
+    with pytest.raises(Exception) as info:
+        call(q, k, v)
+    assert type(info.value) is exc, f"expected {exc.__name__}, got {type(info.value).__name__}: {info.value}"

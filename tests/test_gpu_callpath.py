@@ -293,3 +293,33 @@ def test_plans_are_per_signature():
     for bad in ({"causal": 1}, {"causal": "False"}, {"scale": True}, {"scale": "0.5"}):
         assert key(**bad) is None, bad
     assert _plan.forward_key([1], q, q, None, False, None, "bshd", "auto") is None
+
+
+def test_plans_from_other_threads(gpu):
+    """A cached signature called from fresh threads (which never touched CUDA before), four at a
+    time, each on its own CuPy stream, gives the serial result bitwise."""
+    import threading
+
+    cp = gpu.cp
+    q, k, v, do = _inputs(gpu, "cupy", "bfloat16", (2, 200, 4, 64), (2, 230, 2, 64), "threads")
+    want = _run(q, k, v, do, True)
+    cp.cuda.Device().synchronize()
+    got, errors = {}, []
+
+    def work(i):
+        try:
+            with cp.cuda.Device(0), cp.cuda.Stream(non_blocking=True) as s:
+                got[i] = _run(q, k, v, do, True)
+                s.synchronize()
+        except BaseException as e:  # reported below: an exception in a thread would vanish
+            errors.append(f"thread {i}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i, res in got.items():
+        for name, x, y in zip(("o", "lse", "dq", "dk", "dv"), res, want):
+            assert gpu.same_bits(x, y) == 0, f"{name}: thread {i} differs from the serial call"

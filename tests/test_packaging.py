@@ -1,6 +1,7 @@
 """kernels_cu/ is found from the source tree / an editable install and from an installed wheel."""
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -21,12 +22,20 @@ def test_found_from_source_tree():
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
+    """A wheel built from a copy of the sources, so that setuptools' build/ lands there, not here."""
+    src = tmp_path_factory.mktemp("src")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for name in ("cuflash", "kernels_cu"):
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path_factory.mktemp("wheel")
+    build_before = (ROOT / "build").exists()
     r = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
         capture_output=True, text=True,
     )
     assert r.returncode == 0, r.stderr
+    assert (ROOT / "build").exists() == build_before, "building the wheel left build/ in the source tree"
     (whl,) = out.glob("cuflash-*.whl")
     return whl
 

@@ -23,6 +23,7 @@ from numba import cuda
 
 @cuda.jit(device=True)
 def softmax_init(row_max, row_sum):
+    # [1] Start every row with row_max = -inf and row_sum = 0
     for i in range(row_max.shape[0]):
         row_max[i] = -math.inf
         row_sum[i] = 0
@@ -69,6 +70,7 @@ def softmax_update(acc_s, acc_o, row_max, row_sum, tile_max, red, row0, row_stri
     A row whose max is still -inf (all its keys masked so far) subtracts 0 instead, so P = 0 and
     the rescale factor is exp2(-inf) = 0, never NaN.
     """
+    # [2] Row max of the key block, reduced over the row's threads: m = max(row_max, max_j S)
     for i in range(acc_s.shape[0]):
         m = row_max[i]
         for j in range(acc_s.shape[1]):
@@ -77,9 +79,11 @@ def softmax_update(acc_s, acc_o, row_max, row_sum, tile_max, red, row0, row_stri
     allreduce_max(red, tile_max, row0, row_stride, lane, tpr)
     for i in range(acc_s.shape[0]):
         m_new = tile_max[i]
+        # [3] Offset m * scale_log2 for exp2, or 0 for a row that has seen no key (its P is 0, never NaN)
         if m_new == -math.inf:
             tile_max[i] = 0  # subtract 0 instead of -inf (stored through the array: stays acc_t)
         max_scaled = tile_max[i] * scale_log2
+        # [4] Rescale acc_o and row_sum by exp2((old row_max - new row_max) * scale_log2), difference first
         # (old - new) first: exactly 0 when the max did not move, so the correction is exactly 1.
         # exp2(row_max * scale_log2 - max_scaled) is not: contracted into an FMA it keeps the rounding
         # error of max_scaled, a bias of the same sign at every key block (LSE off by ~5e-6 in fp32
@@ -89,6 +93,7 @@ def softmax_update(acc_s, acc_o, row_max, row_sum, tile_max, red, row0, row_stri
         for j in range(acc_o.shape[1]):
             acc_o[i, j] *= scores_scale
         row_sum[i] *= scores_scale
+        # [5] P = exp2(S * scale_log2 - offset) in place of S; add the row sums of P to row_sum
         for j in range(acc_s.shape[1]):
             acc_s[i, j] = math.exp2(acc_s[i, j] * scale_log2 - max_scaled)
             row_sum[i] += acc_s[i, j]
@@ -101,7 +106,9 @@ def softmax_finalize(acc_o, row_max, row_sum, lse_rows, red, row0, row_stride, l
     row_sum is first all-reduced over the row's threads. A row that saw no key (row_sum == 0,
     row_max == -inf) gets O = 0 and LSE = -inf.
     """
+    # [6] Reduce row_sum over the row's threads
     allreduce_sum(red, row_sum, row0, row_stride, lane, tpr)
+    # [7] O /= row_sum, LSE = row_max * softmax_scale + log(row_sum); row_sum = 0 gives O = 0, LSE = -inf
     for i in range(acc_o.shape[0]):
         if row_sum[i] > 0:
             lse_rows[i] = row_max[i] * softmax_scale + math.log(row_sum[i])
