@@ -104,6 +104,17 @@ def test_suite_params_defaults_match_the_issue():
         suite_params("seqlen", s, "cpu")
 
 
+def test_families():
+    assert report.family("cuflash", "bfloat16") == "mma" and report.family("cuflash-torch", "float16") == "mma"
+    assert report.family("cuflash", "float32") == "simt" and report.family("cuflash-graph", "float64") == "simt"
+    assert report.family("cuflash-numpy", "float16") == "numpy"
+    assert report.family("torch-flash", "bfloat16") == "torch-flash"
+    assert report.family("torch-cudnn", "bfloat16") == "cudnn"
+    assert report.family("conventional", "float32") == "conventional"
+    r = report.make_row(_row("x", 1)["shape"], "float32", True, "cuflash", "fwd", status="OOM", reason="x")
+    assert r["family"] == "simt"  # rows that did not run say it too
+
+
 # ------------------------------------------------------------------------------------------------
 # The no-GPU path end to end
 
@@ -286,11 +297,15 @@ def test_tables_and_plot_from_gpu_rows(tmp_path):
         "memory": {"platform": "gpu", "status": "ok", "reason": None, "seconds": 1.0, "params": {}, "rows": mem,
                    **report.memory_summary(mem, "cuflash", "conventional")},
     }
-    console = Console(record=True, width=150)
+    console = Console(record=True, width=250)
     report.render(console, suites)
     text = console.export_text()
     assert "seqlen (gpu, partial" in text and "(4.00x)" in text and "OOM" in text
     assert "log-log slope 1.00" in text
+    assert "cuflash (mma) TFLOP/s" in text and "torch-math TFLOP/s (cuflash x)" in text
+    md = report.markdown(suites)  # the same tables as Markdown (RESULTS.md, README)
+    assert "#### TFLOP/s" in md and "| cuflash (mma) ms |" in md and "| 1024 | 2.000 | 1 |" in md
+    assert "| fwd | 2048 | 2.0 MiB | 4.0 MiB (2.0x) |" in md
     panels = plot(suites, tmp_path / "g.png", title="test")
     assert len(panels) == 3 and (tmp_path / "g.png").stat().st_size > 10_000
 
@@ -352,3 +367,18 @@ def test_device_and_host_timers_with_a_fake_clock():
     doc = _gpu_doc()
     doc["suites"]["launch"]["rows"] = [row]
     assert report.validate(doc) == []
+
+
+def test_captions_sort_shapes_numerically():
+    from rich.console import Console
+
+    rows = [_row("cuflash", 1.0, n=n) for n in (1024, 512, 1024, 4096)]
+    for r, d in zip(rows, (128, 128, 64, 64)):
+        r["shape"]["head_dim"] = d
+    text = report._caption(rows)
+    assert text == "shapes (B x H x N x d): 2x8x512x128, 2x8x1024x64, 2x8x1024x128, 2x8x4096x64"
+    console = Console(record=True, width=200)
+    report.render(console, {"seqlen": {"platform": "gpu", "status": "ok", "seconds": 1.0, "rows": rows}})
+    assert "2x8x512x128, 2x8x1024x64, 2x8x1024x128" in " ".join(console.export_text().split())
+    assert report._caption([_row("x", 1, n=n) for n in (16384, 2048, 512)]).endswith("512x128, 2x8x2048x128, "
+                                                                                     "2x8x16384x128")
