@@ -9,6 +9,7 @@ import platform
 import click
 
 from . import __version__
+from ._interop import gpu_status
 from .benchmark.command import bench
 
 
@@ -30,8 +31,6 @@ def _backend_status() -> dict[str, tuple[bool, str]]:
 
 
 def info_dict() -> dict:
-    from ._interop import gpu_status
-
     info: dict = {"cuflash": __version__, "python": platform.python_version()}
     import numpy
 
@@ -88,7 +87,6 @@ def compile_cmd(jobs: int, dtypes: tuple[str, ...]) -> None:
     import time
 
     from . import _compile, config
-    from ._interop import gpu_status
 
     ok, why = gpu_status()
     if not ok:
