@@ -1,14 +1,15 @@
 """The implementations a benchmark compares, behind one small interface.
 
 GPU: "cuflash" (cuflash.api on the cuda backend), "conventional" (materialized S and P in the input
-dtype: cuBLAS matmul, a row softmax kernel, matmul, all through CuPy), and PyTorch's SDPA backends
-"torch-flash", "torch-efficient", "torch-cudnn", "torch-math" (when torch is importable).
+dtype: matmul, a row softmax in plain CuPy, matmul), and PyTorch's SDPA backends "torch-flash",
+"torch-efficient", "torch-cudnn", "torch-math" (when torch is importable). The launch suite also
+runs cuflash on torch tensors ("cuflash-torch") and SDPA's backward through its low-level ops.
 CPU: "cuflash-numpy" (the tiled NumPy backend) and "materialized-numpy" (cuflash.reference storing
 every materialized stage in the input dtype: the accuracy rule's same-precision reference).
 
-Each implementation gives `calls(case, sets, mode)`: one zero-argument callable per input set, so a
-timer can rotate among the sets. Heavy modules (cupy, torch, ml_dtypes) are imported inside
-functions.
+An implementation gives `forward(case, s) -> state` and `backward(case, s, state) -> grads`, and
+from them `calls(case, sets, mode)`: one zero-argument callable per input set, so that a timer can
+rotate among the sets. Heavy modules (cupy, torch) are imported inside functions.
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ import warnings
 
 import numpy as np
 
-from ..config import DTYPES, numpy_dtype
+from ..config import numpy_dtype
 
-MODES = ("fwd", "bwd", "fwd_bwd")
 TORCH_BACKENDS = {
     "torch-flash": "FLASH_ATTENTION",
     "torch-efficient": "EFFICIENT_ATTENTION",
@@ -32,16 +32,9 @@ TORCH_BACKENDS = {
 }
 GPU_IMPLS = ("cuflash", "conventional", *TORCH_BACKENDS)
 CPU_IMPLS = ("cuflash-numpy", "materialized-numpy")
-DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "fp64": "float64"}
 # atol of the accuracy rule max|ours - ref64| <= 2 max|same_precision - ref64| + atol
 ACCURACY_ATOL = {"float16": 1e-4, "bfloat16": 1e-3, "float32": 1e-6, "float64": 1e-12}
-
-
-def canonical_dtype(name: str) -> str:
-    name = DTYPE_ALIASES.get(name.lower(), name.lower())
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (or bf16, fp16, fp32, fp64), got {name!r}")
-    return name
+SOFTMAX_BLOCK = 1 << 26  # elements of the conventional softmax's float32 working block (256 MiB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +50,10 @@ class Case:
     @property
     def scale(self) -> float:
         return 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def label(self) -> str:
+        return f"B={self.batch} H={self.nheads} N={self.seqlen_q} d={self.head_dim}"
 
     def shape(self) -> dict:
         return {"batch": self.batch, "nheads": self.nheads, "seqlen_q": self.seqlen_q,
@@ -99,50 +96,60 @@ def is_oom(e: BaseException) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------
-# Arrays
+# Arrays (NumPy or CuPy: the namespace is the input's)
 # ------------------------------------------------------------------------------------------------
 
 
-def gpu_cast(x32, dtype: str):
-    """A CuPy float32 array in `dtype`; bfloat16 by round-to-nearest-even on the bits if astype can't."""
-    import cupy
+def _xp(x):
+    from ..reference import _namespace
 
+    return _namespace(x)
+
+
+def cast(x32, dtype: str):
+    """A float32 array in `dtype`; bfloat16 by round-to-nearest-even on the bits where astype can't."""
+    xp = _xp(x32)
     dt = numpy_dtype(dtype)
-    if dtype != "bfloat16":
-        return x32.astype(dt)
     try:
         return x32.astype(dt)
     except Exception:
-        u = cupy.ascontiguousarray(x32).view(cupy.uint32)
-        r = (u + cupy.uint32(0x7FFF) + ((u >> cupy.uint32(16)) & cupy.uint32(1))) >> cupy.uint32(16)
-        return r.astype(cupy.uint16).view(dt)
+        if dtype != "bfloat16":
+            raise
+        u = xp.ascontiguousarray(x32, dtype=xp.float32).view(xp.uint32)
+        r = (u + xp.uint32(0x7FFF) + ((u >> xp.uint32(16)) & xp.uint32(1))) >> xp.uint32(16)
+        return r.astype(xp.uint16).view(dt)
 
 
-def gpu_to_f64(x):
-    """A CuPy array as float64 (bfloat16 through its bits if CuPy cannot cast it)."""
-    import cupy
-
-    if x.dtype.name != "bfloat16":
-        return x.astype(cupy.float64)
+def upcast(x, dtype=np.float64):
+    """An array as float32 or float64 (bfloat16 through its bits where astype can't)."""
+    xp = _xp(x)
     try:
-        return x.astype(cupy.float64)
+        return x.astype(dtype)
     except Exception:
-        u = cupy.ascontiguousarray(x).view(cupy.uint16).astype(cupy.uint32) << cupy.uint32(16)
-        return u.view(cupy.float32).astype(cupy.float64)
+        if x.dtype.name != "bfloat16":
+            raise
+        u = xp.ascontiguousarray(x).view(xp.uint16).astype(xp.uint32) << xp.uint32(16)
+        return u.view(xp.float32).astype(dtype)
+
+
+def same_bits(a, b) -> bool:
+    """Two arrays (or tuples of arrays) hold the same bytes."""
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
+    xp = _xp(a)
+    a, b = xp.ascontiguousarray(a), xp.ascontiguousarray(b)
+    return a.shape == b.shape and bool(xp.array_equal(a.view(xp.uint8), b.view(xp.uint8)))
 
 
 def gpu_inputs(case: Case, n_sets: int, seed: int = 0) -> list[InputSet]:
-    """Random normal q, k, v, dout (never zeros) in bshd layout, n_sets independent sets."""
+    """Random normal q, k, v, dout (never zeros) in bshd layout on the GPU, n_sets independent sets."""
     import cupy
 
     rs = cupy.random.RandomState(seed)
     qs = (case.batch, case.seqlen_q, case.nheads, case.head_dim)
     ks = (case.batch, case.seqlen_k, case.nheads, case.head_dim)
-    out = []
-    for _ in range(n_sets):
-        q, k, v, do = (gpu_cast(rs.standard_normal(s, dtype=cupy.float32), case.dtype) for s in (qs, ks, ks, qs))
-        out.append(InputSet(q, k, v, do))
-    return out
+    return [InputSet(*(cast(rs.standard_normal(s, dtype=cupy.float32), case.dtype) for s in (qs, ks, ks, qs)))
+            for _ in range(n_sets)]
 
 
 def cpu_inputs(case: Case, seed: int = 0) -> InputSet:
@@ -150,8 +157,14 @@ def cpu_inputs(case: Case, seed: int = 0) -> InputSet:
     dt = numpy_dtype(case.dtype)
     qs = (case.batch, case.seqlen_q, case.nheads, case.head_dim)
     ks = (case.batch, case.seqlen_k, case.nheads, case.head_dim)
-    q, k, v, do = (rng.standard_normal(s, dtype=np.float32).astype(dt) for s in (qs, ks, ks, qs))
-    return InputSet(q, k, v, do)
+    return InputSet(*(rng.standard_normal(s, dtype=np.float32).astype(dt) for s in (qs, ks, ks, qs)))
+
+
+def bhsd(s: InputSet) -> InputSet:
+    """The same values as contiguous (B, H, N, d) CuPy arrays."""
+    import cupy
+
+    return InputSet(*(cupy.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (s.q, s.k, s.v, s.do)))
 
 
 def to_torch(x):
@@ -168,6 +181,16 @@ def to_torch(x):
         return torch.from_dlpack(x.view(cupy.uint16)).view(torch.bfloat16)
 
 
+def torch_cuda() -> tuple[bool, str]:
+    try:
+        import torch
+    except Exception as e:
+        return False, f"torch not importable ({short_reason(e)})"
+    if not torch.cuda.is_available():
+        return False, "torch sees no CUDA device"
+    return True, ""
+
+
 # ------------------------------------------------------------------------------------------------
 # Base class
 # ------------------------------------------------------------------------------------------------
@@ -177,7 +200,6 @@ class Impl:
     name = ""
     clock = "cupy"  # which events time it: "cupy" or "torch"
     memory = "cupy"  # which allocator sees its memory: "cupy", "torch" or "host"
-    notes: dict = {}
 
     def available(self) -> tuple[bool, str]:
         return True, ""
@@ -185,8 +207,31 @@ class Impl:
     def context(self):
         return contextlib.nullcontext()
 
-    def calls(self, case: Case, sets: list[InputSet], mode: str) -> list:
+    def notes(self, dtype: str) -> dict:
+        return {}
+
+    def prepare(self, s: InputSet) -> InputSet:
+        """The input set as this implementation takes it (done once, outside any timed call)."""
+        return s
+
+    def forward(self, case: Case, s: InputSet):
+        """State for the backward; its first element is the output o."""
         raise NotImplementedError
+
+    def backward(self, case: Case, s: InputSet, state):
+        """(dq, dk, dv)."""
+        raise NotImplementedError
+
+    def fwd_bwd(self, case: Case, s: InputSet):
+        return self.backward(case, s, self.forward(case, s))
+
+    def calls(self, case: Case, sets: list[InputSet], mode: str) -> list:
+        sets = [self.prepare(s) for s in sets]
+        if mode == "fwd":
+            return [functools.partial(self.forward, case, s) for s in sets]
+        if mode == "bwd":
+            return [functools.partial(self.backward, case, s, self.forward(case, s)) for s in sets]
+        return [functools.partial(self.fwd_bwd, case, s) for s in sets]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -195,367 +240,36 @@ class Impl:
 
 
 class CuflashGPU(Impl):
-    name = "cuflash"
+    """cuflash on the cuda backend; on CuPy arrays, or on torch tensors (torch_inputs)."""
+
+    def __init__(self, name: str = "cuflash", layout: str = "bshd", torch_inputs: bool = False):
+        self.name, self.layout, self.torch_inputs = name, layout, torch_inputs
+        self.clock = "torch" if torch_inputs else "cupy"
 
     def available(self):
         try:
             from ..backends import cuda
 
-            return cuda.available()
+            ok, why = cuda.available()
         except Exception as e:
             return False, short_reason(e)
+        return torch_cuda() if ok and self.torch_inputs else (ok, why)
 
-    def calls(self, case, sets, mode):
-        from ..api import flash_attn_backward, flash_attn_forward
+    def prepare(self, s):
+        return InputSet(*(to_torch(x) for x in (s.q, s.k, s.v, s.do))) if self.torch_inputs else s
 
-        kw = dict(causal=case.causal, softmax_scale=case.scale, backend="cuda")
+    def _kw(self, case):
+        return dict(causal=case.causal, softmax_scale=case.scale, layout=self.layout, backend="cuda")
 
-        def fwd(s):
-            return flash_attn_forward(s.q, s.k, s.v, **kw)
+    def forward(self, case, s):
+        from ..api import flash_attn_forward
 
-        if mode == "fwd":
-            return [functools.partial(fwd, s) for s in sets]
-        if mode == "bwd":
-            out = []
-            for s in sets:
-                o, lse = fwd(s)
-                out.append(functools.partial(flash_attn_backward, s.do, s.q, s.k, s.v, o, lse, **kw))
-            return out
+        return flash_attn_forward(s.q, s.k, s.v, **self._kw(case))
 
-        def fwd_bwd(s):
-            o, lse = fwd(s)
-            return flash_attn_backward(s.do, s.q, s.k, s.v, o, lse, **kw)
+    def backward(self, case, s, state):
+        from ..api import flash_attn_backward
 
-        return [functools.partial(fwd_bwd, s) for s in sets]
-
-
-# ------------------------------------------------------------------------------------------------
-# Conventional: materialized S and P in the input dtype, on CuPy
-# ------------------------------------------------------------------------------------------------
-
-# Row softmax (forward) and its backward for the materialized baseline. One block per score row;
-# the accumulator is float (double for double inputs); the stored values are in the input dtype.
-CONV_SRC = r"""
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-
-__device__ __forceinline__ float to_acc(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_acc(float x) { return x; }
-__device__ __forceinline__ double to_acc(double x) { return x; }
-__device__ __forceinline__ void store(__half* p, float x) { *p = __float2half_rn(x); }
-__device__ __forceinline__ void store(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
-__device__ __forceinline__ void store(float* p, float x) { *p = x; }
-__device__ __forceinline__ void store(double* p, double x) { *p = x; }
-__device__ __forceinline__ float exp_acc(float x) { return expf(x); }
-__device__ __forceinline__ double exp_acc(double x) { return exp(x); }
-__device__ __forceinline__ float neg_inf(float) { return __int_as_float(0xff800000); }
-__device__ __forceinline__ double neg_inf(double) { return __longlong_as_double(0xfff0000000000000ULL); }
-
-template <typename A, bool kMax>
-__device__ __forceinline__ A warp_reduce(A v) {
-    for (int o = 16; o > 0; o >>= 1) {
-        A w = __shfl_xor_sync(0xffffffffu, v, o);
-        v = kMax ? (w > v ? w : v) : v + w;
-    }
-    return v;
-}
-
-template <typename A, bool kMax>
-__device__ A block_reduce(A v, A* sh) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    v = warp_reduce<A, kMax>(v);
-    __syncthreads();  // sh may still be read from the previous reduction
-    if (lane == 0) sh[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        v = lane < nwarps ? sh[lane] : (kMax ? neg_inf(A(0)) : A(0));
-        v = warp_reduce<A, kMax>(v);
-        if (lane == 0) sh[0] = v;
-    }
-    __syncthreads();
-    return sh[0];
-}
-
-// P[row, :] = softmax(scale * S[row, :]) over the keys the row sees (bottom-right causal), 0 elsewhere.
-template <typename T, typename A>
-__global__ void conv_softmax_fwd(const T* __restrict__ s, T* __restrict__ p, long long seqlen_q,
-                                 long long seqlen_k, A scale, int causal) {
-    __shared__ A sh[32];
-    const long long row = blockIdx.x;
-    const long long i = row % seqlen_q;
-    long long limit = causal ? i + 1 + seqlen_k - seqlen_q : seqlen_k;
-    limit = limit > seqlen_k ? seqlen_k : (limit < 0 ? 0 : limit);
-    const T* sr = s + row * seqlen_k;
-    T* pr = p + row * seqlen_k;
-    A m = neg_inf(A(0));
-    for (long long j = threadIdx.x; j < limit; j += blockDim.x) {
-        A x = to_acc(sr[j]);
-        m = x > m ? x : m;
-    }
-    m = block_reduce<A, true>(m, sh);
-    A l = A(0);
-    for (long long j = threadIdx.x; j < limit; j += blockDim.x) l += exp_acc((to_acc(sr[j]) - m) * scale);
-    l = block_reduce<A, false>(l, sh);
-    const A inv = limit > 0 ? A(1) / l : A(0);
-    for (long long j = threadIdx.x; j < seqlen_k; j += blockDim.x)
-        store(pr + j, j < limit ? exp_acc((to_acc(sr[j]) - m) * scale) * inv : A(0));
-}
-
-// In place: dP[row, :] becomes dS * scale = scale * P * (dP - D), D = rowsum(P * dP) (= rowsum(dO * O)).
-template <typename T, typename A>
-__global__ void conv_softmax_bwd(const T* __restrict__ p, T* dp, long long seqlen_k, A scale) {
-    __shared__ A sh[32];
-    const long long row = blockIdx.x;
-    const T* pr = p + row * seqlen_k;
-    T* dr = dp + row * seqlen_k;
-    A d = A(0);
-    for (long long j = threadIdx.x; j < seqlen_k; j += blockDim.x) d += to_acc(pr[j]) * to_acc(dr[j]);
-    d = block_reduce<A, false>(d, sh);
-    for (long long j = threadIdx.x; j < seqlen_k; j += blockDim.x)
-        store(dr + j, scale * to_acc(pr[j]) * (to_acc(dr[j]) - d));
-}
-"""
-_CTYPE = {"float16": ("__half", "float"), "bfloat16": ("__nv_bfloat16", "float"),
-          "float32": ("float", "float"), "float64": ("double", "double")}
-CONV_NAMES = tuple(f"conv_softmax_{k}<{t}, {a}>" for k in ("fwd", "bwd") for t, a in _CTYPE.values())
-CONV_THREADS = 256
-
-
-@functools.lru_cache(maxsize=None)
-def _conv_module(device_id: int):
-    import cupy
-
-    mod = cupy.RawModule(code=CONV_SRC, options=("-std=c++17",), name_expressions=CONV_NAMES)
-    mod.compile()
-    return mod
-
-
-def _conv_kernel(kind: str, dtype: str):
-    import cupy
-
-    t, a = _CTYPE[dtype]
-    return _conv_module(cupy.cuda.Device().id).get_function(f"conv_softmax_{kind}<{t}, {a}>")
-
-
-def _acc_scalar(dtype: str, x: float):
-    return np.float64(x) if dtype == "float64" else np.float32(x)
-
-
-def conv_softmax_fwd(s, scale: float, causal: bool):
-    """P = softmax(scale * S) by rows of a contiguous (..., seqlen_q, seqlen_k) array, same dtype."""
-    import cupy
-
-    s = cupy.ascontiguousarray(s)
-    p = cupy.empty_like(s)
-    sq, sk = s.shape[-2], s.shape[-1]
-    rows = s.size // sk if sk else 0
-    if rows:
-        dt = s.dtype.name
-        _conv_kernel("fwd", dt)((rows,), (CONV_THREADS,),
-                                (s, p, np.int64(sq), np.int64(sk), _acc_scalar(dt, scale), np.int32(bool(causal))))
-    return p
-
-
-def conv_softmax_bwd_(p, dp, scale: float):
-    """dP -> scale * dS, in place (dp contiguous, the same shape and dtype as p)."""
-    sk = p.shape[-1]
-    rows = p.size // sk if sk else 0
-    if rows:
-        dt = p.dtype.name
-        _conv_kernel("bwd", dt)((rows,), (CONV_THREADS,), (p, dp, np.int64(sk), _acc_scalar(dt, scale)))
-    return dp
-
-
-@functools.lru_cache(maxsize=None)
-def conventional_matmul_mode(dtype: str) -> tuple[str, str]:
-    """("cupy" | "torch" | "cupy-fp32", note): how the baseline multiplies in `dtype`.
-
-    CuPy's matmul in the input dtype where it works; otherwise torch's matmul in the input dtype
-    (through DLPack), else float32 on CuPy (and the JSON says so).
-    """
-    import cupy
-
-    try:
-        a32 = cupy.random.RandomState(1).standard_normal((2, 3, 16, 8), dtype=cupy.float32)
-        a = gpu_cast(a32, dtype)
-        c = cupy.matmul(a, a.swapaxes(-1, -2))
-        ref = cupy.matmul(gpu_to_f64(a), gpu_to_f64(a).swapaxes(-1, -2))
-        err = float(cupy.abs(gpu_to_f64(c) - ref).max())
-        if not err < 0.5:  # catches NaN too
-            raise RuntimeError(f"matmul in {dtype} is off by {err}")
-        return "cupy", f"cupy.matmul in {dtype}"
-    except Exception as e:
-        why = short_reason(e)
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return "torch", f"torch.matmul in {dtype} (cupy.matmul failed: {why})"
-    except Exception:
-        pass
-    return "cupy-fp32", f"cupy.matmul in float32 (cupy.matmul in {dtype} failed: {why}; torch absent)"
-
-
-def _mm(mode: str):
-    import cupy
-
-    if mode == "torch":
-        import torch
-
-        return lambda a, b: cupy.from_dlpack(torch.matmul(to_torch(a), to_torch(b)))
-    return cupy.matmul
-
-
-def conventional_forward(q, k, v, *, causal: bool, scale: float, mode: str = "cupy"):
-    """Materialized attention on CuPy: S = Q K^T, P = softmax(S), O = P V. Returns (o bshd view, P)."""
-    mm = _mm(mode)
-    dtype = q.dtype
-    if mode == "cupy-fp32":
-        import cupy
-
-        q, k, v = (gpu_to_f64(x).astype(cupy.float32) for x in (q, k, v))
-    s = mm(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 3, 1))  # (B, H, Sq, Sk), materialized
-    p = conv_softmax_fwd(s, scale, causal)  # (B, H, Sq, Sk), materialized
-    del s
-    o = mm(p, v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
-    if mode == "cupy-fp32":
-        o = gpu_cast(o, dtype.name)
-    return o, p
-
-
-def conventional_backward(do, q, k, v, p, *, scale: float, mode: str = "cupy"):
-    """Gradients from the saved P: dV = P^T dO, dP = dO V^T, dS = P (dP - D), dQ = dS K, dK = dS^T Q."""
-    mm = _mm(mode)
-    dtype = q.dtype
-    if mode == "cupy-fp32":
-        import cupy
-
-        do, q, k, v = (gpu_to_f64(x).astype(cupy.float32) for x in (do, q, k, v))
-    doh = do.transpose(0, 2, 1, 3)
-    dv = mm(p.swapaxes(-1, -2), doh)
-    dp = mm(doh, v.transpose(0, 2, 3, 1))  # (B, H, Sq, Sk), materialized
-    ds = conv_softmax_bwd_(p, dp, scale)  # scale * dS, in dP's memory
-    dq = mm(ds, k.transpose(0, 2, 1, 3))
-    dk = mm(ds.swapaxes(-1, -2), q.transpose(0, 2, 1, 3))
-    grads = tuple(x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
-    if mode == "cupy-fp32":
-        grads = tuple(gpu_cast(x, dtype.name) for x in grads)
-    return grads
-
-
-class Conventional(Impl):
-    name = "conventional"
-
-    def __init__(self):
-        self.notes = {}
-
-    def calls(self, case, sets, mode):
-        mm_mode, note = conventional_matmul_mode(case.dtype)
-        self.notes = {"matmul": note}
-        kw = dict(causal=case.causal, scale=case.scale, mode=mm_mode)
-
-        def fwd(s):
-            return conventional_forward(s.q, s.k, s.v, **kw)
-
-        def bwd(s, p):
-            return conventional_backward(s.do, s.q, s.k, s.v, p, scale=case.scale, mode=mm_mode)
-
-        if mode == "fwd":
-            return [functools.partial(fwd, s) for s in sets]
-        if mode == "bwd":
-            return [functools.partial(bwd, s, fwd(s)[1]) for s in sets]
-
-        def fwd_bwd(s):
-            _, p = fwd(s)
-            return bwd(s, p)
-
-        return [functools.partial(fwd_bwd, s) for s in sets]
-
-
-# ------------------------------------------------------------------------------------------------
-# torch SDPA backends
-# ------------------------------------------------------------------------------------------------
-
-
-class TorchSDPA(Impl):
-    clock = "torch"
-    memory = "torch"
-
-    def __init__(self, name: str):
-        self.name = name
-        self.backend = TORCH_BACKENDS[name]
-        self.notes = {"layout": "(B, H, N, d) transposed views of the bshd CuPy inputs, zero-copy (DLPack)"}
-
-    def available(self):
-        try:
-            import torch
-            from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: F401
-        except Exception as e:
-            return False, f"torch not importable ({short_reason(e)})"
-        if not torch.cuda.is_available():
-            return False, "torch sees no CUDA device"
-        if not hasattr(SDPBackend, self.backend):
-            return False, f"this torch has no SDPBackend.{self.backend}"
-        return True, ""
-
-    def context(self):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        return sdpa_kernel(getattr(SDPBackend, self.backend))
-
-    def calls(self, case, sets, mode):
-        import torch
-        import torch.nn.functional as F
-
-        kw = dict(is_causal=case.causal, scale=case.scale)  # causal: top-left == bottom-right for Sq == Sk
-
-        def t(x):
-            return to_torch(x).transpose(1, 2)
-
-        out = []
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                for s in sets:
-                    q, k, v, do = t(s.q), t(s.k), t(s.v), t(s.do)
-                    if mode == "fwd":
-                        out.append(functools.partial(F.scaled_dot_product_attention, q, k, v, **kw))
-                        continue
-                    qg, kg, vg = (x.detach().requires_grad_(True) for x in (q, k, v))
-                    if mode == "bwd":
-                        o = F.scaled_dot_product_attention(qg, kg, vg, **kw)
-                        out.append(functools.partial(torch.autograd.grad, o, (qg, kg, vg), do, retain_graph=True))
-                    else:
-                        def fwd_bwd(qg=qg, kg=kg, vg=vg, do=do):
-                            o = F.scaled_dot_product_attention(qg, kg, vg, **kw)
-                            return torch.autograd.grad(o, (qg, kg, vg), do)
-
-                        out.append(fwd_bwd)
-                out[0]()  # a backend that cannot run this case raises here
-            except Exception as e:
-                why = [str(w.message).splitlines()[0] for w in caught][:3]
-                if is_oom(e):
-                    raise
-                raise Unavailable("; ".join([short_reason(e, 200), *why])[:500]) from e
-        return out
-
-
-def gpu_impls(names) -> list[Impl]:
-    out = []
-    for n in names:
-        if n == "cuflash":
-            out.append(CuflashGPU())
-        elif n == "conventional":
-            out.append(Conventional())
-        elif n in TORCH_BACKENDS:
-            out.append(TorchSDPA(n))
-    return out
-
-
-# ------------------------------------------------------------------------------------------------
-# CPU: the NumPy backend against materialized NumPy
-# ------------------------------------------------------------------------------------------------
+        return flash_attn_backward(s.do, s.q, s.k, s.v, *state, **self._kw(case))
 
 
 class CuflashNumpy(Impl):
@@ -563,16 +277,6 @@ class CuflashNumpy(Impl):
 
     name = "cuflash-numpy"
     memory = "host"
-
-    def forward(self, q, k, v, *, causal, scale):
-        from ..api import flash_attn_forward
-
-        return flash_attn_forward(q, k, v, causal=causal, softmax_scale=scale, backend="numpy")
-
-    def backward(self, do, q, k, v, o, lse, *, causal, scale):
-        from ..api import flash_attn_backward
-
-        return flash_attn_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale, backend="numpy")
 
     def available(self):
         try:
@@ -582,6 +286,142 @@ class CuflashNumpy(Impl):
         except Exception as e:
             return False, short_reason(e)
 
+    def forward(self, case, s):
+        from ..api import flash_attn_forward
+
+        return flash_attn_forward(s.q, s.k, s.v, causal=case.causal, softmax_scale=case.scale, backend="numpy")
+
+    def backward(self, case, s, state):
+        from ..api import flash_attn_backward
+
+        return flash_attn_backward(s.do, s.q, s.k, s.v, *state, causal=case.causal, softmax_scale=case.scale,
+                                   backend="numpy")
+
+
+# ------------------------------------------------------------------------------------------------
+# Materialized attention: S and P stored in the input dtype
+# ------------------------------------------------------------------------------------------------
+
+
+def _acc(x):
+    return np.float64 if x.dtype.name == "float64" else np.float32
+
+
+def _row_blocks(s):
+    """Query-row ranges of S whose float32 working copy stays within SOFTMAX_BLOCK elements."""
+    rows = s.shape[-2]
+    step = max(1, SOFTMAX_BLOCK // max(1, s.size // max(1, rows)))
+    return [slice(r, r + step) for r in range(0, rows, step)]
+
+
+def conventional_softmax(s, scale: float, causal: bool):
+    """P = softmax(scale * S) by rows of S (..., Sq, Sk), over the keys cuflash.reference's mask lets each
+    query see; stored in S's dtype, computed in float32 (float64 for float64) a block of rows at a time
+    so that S and P are the only N x N arrays. A row that sees no key gets P = 0."""
+    from ..reference import _visible
+
+    xp, acc = _xp(s), _acc(s)
+    visible = _visible(s.shape[-2], s.shape[-1], causal, xp)
+    p = xp.empty_like(s)
+    raw = np.dtype(f"u{s.dtype.itemsize}")  # stores go through the bits: no bfloat16 arithmetic needed
+    for rows in _row_blocks(s):
+        x = upcast(s[..., rows, :], acc)
+        x *= acc(scale)
+        x = xp.where(visible[rows], x, acc(-math.inf))
+        m = x.max(axis=-1, keepdims=True)
+        x -= xp.where(m == -math.inf, acc(0), m)
+        xp.exp(x, out=x)
+        l = x.sum(axis=-1, keepdims=True)
+        x /= xp.where(l > 0, l, acc(1))
+        p.view(raw)[..., rows, :] = cast(x, s.dtype.name).view(raw)
+    return p
+
+
+def conventional_softmax_backward_(p, dp, scale: float):
+    """dP -> scale * dS = scale * P * (dP - rowsum(P * dP)), in place (in dP's dtype), by row blocks."""
+    acc = _acc(p)
+    raw = np.dtype(f"u{dp.dtype.itemsize}")
+    for rows in _row_blocks(p):
+        pc, x = upcast(p[..., rows, :], acc), upcast(dp[..., rows, :], acc)
+        x -= (pc * x).sum(axis=-1, keepdims=True)
+        x *= pc
+        x *= acc(scale)
+        dp.view(raw)[..., rows, :] = cast(x, dp.dtype.name).view(raw)
+    return dp
+
+
+@functools.lru_cache(maxsize=None)
+def conventional_matmul_mode(dtype: str) -> tuple[str, str]:
+    """("native" | "torch" | "fp32", note): how the GPU baseline multiplies in `dtype`.
+
+    CuPy's matmul in the input dtype where it works; otherwise torch's matmul in the input dtype
+    (through DLPack), else float32 on CuPy (and the JSON says so).
+    """
+    import cupy
+
+    try:
+        a = cast(cupy.random.RandomState(1).standard_normal((2, 3, 16, 8), dtype=cupy.float32), dtype)
+        c = cupy.matmul(a, a.swapaxes(-1, -2))
+        ref = cupy.matmul(upcast(a), upcast(a).swapaxes(-1, -2))
+        err = float(cupy.abs(upcast(c) - ref).max())
+        if not err < 0.5:  # catches NaN too
+            raise RuntimeError(f"matmul in {dtype} is off by {err}")
+        return "native", f"cupy.matmul in {dtype}"
+    except Exception as e:
+        why = short_reason(e)
+    if torch_cuda()[0]:
+        return "torch", f"torch.matmul in {dtype} (cupy.matmul failed: {why})"
+    return "fp32", f"cupy.matmul in float32 (cupy.matmul in {dtype} failed: {why}; torch absent)"
+
+
+def _mm(mode: str, xp):
+    if mode == "torch":
+        import torch
+
+        return lambda a, b: xp.from_dlpack(torch.matmul(to_torch(a), to_torch(b)))
+    return xp.matmul
+
+
+def conventional_forward(q, k, v, *, causal: bool, scale: float, mode: str = "native"):
+    """Materialized attention: S = Q K^T, P = softmax(S), O = P V. Returns (o bshd view, P)."""
+    xp, dtype = _xp(q), q.dtype.name
+    if mode == "fp32":
+        q, k, v = (upcast(x, np.float32) for x in (q, k, v))
+    mm = _mm(mode, xp)
+    p = conventional_softmax(mm(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 3, 1)), scale, causal)  # (B, H, Sq, Sk)
+    o = mm(p, v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    return (cast(o, dtype) if mode == "fp32" else o), p
+
+
+def conventional_backward(do, q, k, v, p, *, scale: float, mode: str = "native"):
+    """Gradients from the saved P: dV = P^T dO, dP = dO V^T, dS = P (dP - D), dQ = dS K, dK = dS^T Q."""
+    xp, dtype = _xp(q), q.dtype.name
+    if mode == "fp32":
+        do, q, k, v = (upcast(x, np.float32) for x in (do, q, k, v))
+    mm = _mm(mode, xp)
+    doh = do.transpose(0, 2, 1, 3)
+    dv = mm(p.swapaxes(-1, -2), doh)
+    ds = conventional_softmax_backward_(p, mm(doh, v.transpose(0, 2, 3, 1)), scale)  # scale * dS, in dP's memory
+    dq = mm(ds, k.transpose(0, 2, 1, 3))
+    dk = mm(ds.swapaxes(-1, -2), q.transpose(0, 2, 1, 3))
+    grads = tuple(x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
+    return tuple(cast(x, dtype) for x in grads) if mode == "fp32" else grads
+
+
+class Conventional(Impl):
+    name = "conventional"
+
+    def notes(self, dtype):
+        return {"matmul": conventional_matmul_mode(dtype)[1]}
+
+    def forward(self, case, s):
+        mode = conventional_matmul_mode(case.dtype)[0]
+        return conventional_forward(s.q, s.k, s.v, causal=case.causal, scale=case.scale, mode=mode)
+
+    def backward(self, case, s, state):
+        mode = conventional_matmul_mode(case.dtype)[0]
+        return conventional_backward(s.do, s.q, s.k, s.v, state[1], scale=case.scale, mode=mode)
+
 
 class MaterializedNumpy(Impl):
     """cuflash.reference with every materialized stage stored in the input dtype."""
@@ -590,16 +430,133 @@ class MaterializedNumpy(Impl):
     memory = "host"
 
     @staticmethod
-    def _precision(x):
-        name = x.dtype.name
-        return None if name == "float64" else name
+    def _kw(case):
+        precision = None if case.dtype == "float64" else case.dtype
+        return dict(causal=case.causal, softmax_scale=case.scale, precision=precision)
 
-    def forward(self, q, k, v, *, causal, scale):
+    def forward(self, case, s):
         from .. import reference
 
-        return reference.forward(q, k, v, causal=causal, softmax_scale=scale, precision=self._precision(q))
+        return reference.forward(s.q, s.k, s.v, **self._kw(case))
 
-    def backward(self, do, q, k, v, *, causal, scale):
+    def backward(self, case, s, state):
         from .. import reference
 
-        return reference.backward(do, q, k, v, causal=causal, softmax_scale=scale, precision=self._precision(q))
+        return reference.backward(s.do, s.q, s.k, s.v, **self._kw(case))
+
+    def fwd_bwd(self, case, s):  # reference.backward runs its own forward
+        return self.backward(case, s, None)
+
+
+# ------------------------------------------------------------------------------------------------
+# torch SDPA backends
+# ------------------------------------------------------------------------------------------------
+
+
+class TorchSDPA(Impl):
+    """F.scaled_dot_product_attention with one backend forced (sdpa_kernel, entered outside the timed
+    calls). Backward through autograd, or (raw_backward, flash and cuDNN only) through the aten
+    backward op that autograd would call, fed the saved outputs of the aten forward op."""
+
+    clock = "torch"
+    memory = "torch"
+
+    def __init__(self, name: str, layout: str = "bshd", raw_backward: bool = False):
+        self.name, self.layout, self.raw_backward = name, layout, raw_backward
+        self.backend = TORCH_BACKENDS[name]
+
+    def notes(self, dtype):
+        if self.layout == "bhsd":
+            return {"layout": "contiguous (B, H, N, d) tensors sharing the CuPy inputs' memory (DLPack)"}
+        return {"layout": "(B, H, N, d) transposed views of the bshd CuPy inputs, zero-copy (DLPack)"}
+
+    def available(self):
+        ok, why = torch_cuda()
+        if not ok:
+            return ok, why
+        try:
+            from torch.nn.attention import SDPBackend
+        except Exception as e:
+            return False, f"this torch has no torch.nn.attention ({short_reason(e)})"
+        if not hasattr(SDPBackend, self.backend):
+            return False, f"this torch has no SDPBackend.{self.backend}"
+        return True, ""
+
+    def context(self):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel(getattr(SDPBackend, self.backend))
+
+    def prepare(self, s):
+        return InputSet(*(to_torch(x) if self.layout == "bhsd" else to_torch(x).transpose(1, 2)
+                          for x in (s.q, s.k, s.v, s.do)))
+
+    def calls(self, case, sets, mode):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                out = [self._call(case, self.prepare(s), mode) for s in sets]
+                out[0]()  # a backend that cannot run this case raises here
+            except Exception as e:
+                if is_oom(e):
+                    raise
+                why = [str(w.message).splitlines()[0] for w in caught][:3]
+                raise Unavailable("; ".join([short_reason(e, 200), *why])[:500]) from e
+        return out
+
+    def _call(self, case, s, mode):
+        import torch
+        import torch.nn.functional as F
+
+        kw = dict(is_causal=case.causal, scale=case.scale)  # causal: top-left == bottom-right for Sq == Sk
+        if mode == "fwd":
+            return functools.partial(F.scaled_dot_product_attention, s.q, s.k, s.v, **kw)
+        if mode == "bwd" and self.raw_backward:
+            return self._raw_backward(case, s)
+        q, k, v = (x.detach().requires_grad_(True) for x in (s.q, s.k, s.v))
+        if mode == "bwd":
+            o = F.scaled_dot_product_attention(q, k, v, **kw)
+            return functools.partial(torch.autograd.grad, o, (q, k, v), s.do, retain_graph=True)
+
+        def fwd_bwd():
+            return torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, **kw), (q, k, v), s.do)
+
+        return fwd_bwd
+
+    def _raw_backward(self, case, s):
+        """Signatures of torch 2.11's native_functions.yaml:
+        _scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, return_debug_mask, *, scale)
+          -> (out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, debug_mask)
+        _scaled_dot_product_flash_attention_backward(grad_out, q, k, v, out, logsumexp, cum_seq_q,
+          cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *, scale)
+        _scaled_dot_product_cudnn_attention(q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal,
+          return_debug_mask, *, scale) -> (the same nine outputs)
+        _scaled_dot_product_cudnn_attention_backward(grad_out, q, k, v, out, logsumexp, philox_seed,
+          philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale)
+        """
+        import torch
+
+        aten, c, sc = torch.ops.aten, case.causal, case.scale
+        if self.name == "torch-flash":
+            o, lse, cq, ck, mq, mk, seed, off, _ = aten._scaled_dot_product_flash_attention(
+                s.q, s.k, s.v, 0.0, c, False, scale=sc)
+            return functools.partial(aten._scaled_dot_product_flash_attention_backward, s.do, s.q, s.k, s.v, o, lse,
+                                     cq, ck, mq, mk, 0.0, c, seed, off, scale=sc)
+        if self.name == "torch-cudnn":
+            o, lse, cq, ck, mq, mk, seed, off, _ = aten._scaled_dot_product_cudnn_attention(
+                s.q, s.k, s.v, None, True, 0.0, c, False, scale=sc)
+            return functools.partial(aten._scaled_dot_product_cudnn_attention_backward, s.do, s.q, s.k, s.v, o, lse,
+                                     seed, off, None, cq, ck, mq, mk, 0.0, c, scale=sc)
+        raise Unavailable(f"no low-level backward op wired for {self.name}")
+
+
+def gpu_impls(names) -> list[Impl]:
+    out: list[Impl] = []
+    for n in names:
+        if n == "cuflash":
+            out.append(CuflashGPU())
+        elif n == "conventional":
+            out.append(Conventional())
+        elif n in TORCH_BACKENDS:
+            out.append(TorchSDPA(n))
+    return out

@@ -6,9 +6,11 @@ import sys
 
 import click
 
+from ..config import DTYPES, dtype_name
 from . import SUITES
-from .baselines import DTYPE_ALIASES, DTYPES, GPU_IMPLS, TORCH_BACKENDS
+from .baselines import GPU_IMPLS, TORCH_BACKENDS
 
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "fp64": "float64"}
 CPU_WHAT = "running the NumPy backend against materialized NumPy at small N (memory slope and accuracy)"
 
 
@@ -87,11 +89,11 @@ def parse_dtype(ctx, param, value) -> str | None:
     if value is None:
         return None
     v = value.lower()
-    v = DTYPE_ALIASES.get(v, v)
-    if v not in DTYPES:
+    try:
+        return dtype_name(DTYPE_ALIASES.get(v, v))
+    except TypeError:
         raise click.BadParameter(f"{value!r} is not a dtype; choose from {', '.join(DTYPES)} "
-                                 f"(or {', '.join(DTYPE_ALIASES)})")
-    return v
+                                 f"(or {', '.join(DTYPE_ALIASES)})") from None
 
 
 def parse_head_dim(ctx, param, value) -> int | None:
@@ -127,7 +129,8 @@ def parse_png(ctx, param, value) -> str | None:
               help="Head dim, a multiple of 8 up to 256 (default 128; CPU 64).")
 @click.option("--seqlens", callback=parse_seqlens, default=None, metavar="N[,N...]",
               help="Sequence lengths for seqlen, memory, launch and accuracy (energy uses the largest). "
-                   "Default: seqlen 512..16384 doubling.")
+                   "Default: seqlen 512..16384 doubling; launch B1 H8 N128 d64, B2 H8 N4096 d128, "
+                   "B4 H16 N8192 d128 (--seqlens, --batch or --heads replace these shapes).")
 @click.option("--backends", callback=parse_backends, default=None, metavar="NAME[,NAME...]",
               help=f"Implementations: {', '.join(GPU_IMPLS)}; torch = its four SDPA backends; all (default).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, metavar="PATH",
@@ -153,8 +156,9 @@ def bench(suites, dtype, causal, batch, heads, head_dim, seqlens, backends, json
     """Benchmark cuflash against materialized attention and PyTorch's SDPA backends.
 
     Figures are the median of >= 10 timed runs after warm-up (CUDA events); the JSON keeps min and
-    max. Without a GPU (or with --cpu) it runs the memory and accuracy suites of the NumPy backend
-    against materialized NumPy at small N instead, whatever --suite says.
+    max. The launch suite reports host time per cached call beside torch SDPA's. Without a GPU (or
+    with --cpu) it runs the memory and accuracy suites of the NumPy backend against materialized
+    NumPy at small N instead, whatever --suite says.
     """
     from rich.console import Console
 
@@ -176,7 +180,7 @@ def bench(suites, dtype, causal, batch, heads, head_dim, seqlens, backends, json
 
     runner = Runner(settings)
     with _progress(runner, settings, platform) as _:
-        result = runner.run_gpu() if gpu_ok else runner.run_cpu()
+        result = runner.run(platform)
 
     meta = make_meta(settings.options(), platform, None if gpu_ok else why, notes=runner.notes)
     doc = document(meta, result)

@@ -142,3 +142,17 @@ def free_gpu_caches() -> None:
                 torch.cuda.empty_cache()
     except Exception:
         pass
+
+
+def measure_peak(allocator: str, fn: Callable[[], object]) -> dict:
+    """Row fields for the peak of one call: peak_bytes and which allocator saw it ("host", "torch", "cupy")."""
+    if allocator == "host":
+        with tracing():
+            return {"peak_bytes": host_peak(fn), "allocator": "tracemalloc"}
+    fn()  # warm: compile, library handles and workspaces stay out of the peak
+    free_gpu_caches()
+    if allocator == "torch":
+        return {"peak_bytes": torch_peak(fn), "allocator": "torch"}
+    cpeak, tpeak = gpu_peak(fn)
+    return {"peak_bytes": cpeak + tpeak, "allocator": "cupy+torch" if tpeak else "cupy", "cupy_peak_bytes": cpeak,
+            "torch_peak_bytes": tpeak}
