@@ -10,7 +10,7 @@ import click
 
 from . import __version__
 from ._interop import gpu_status
-from .benchmark.command import bench
+from .benchmark.command import ProgressBar, bench
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -86,6 +86,8 @@ def compile_cmd(jobs: int, dtypes: tuple[str, ...]) -> None:
     """Compile every shipped kernel config into CuPy's disk cache (later calls start at once)."""
     import time
 
+    from rich.console import Console
+
     from . import _compile, config
 
     ok, why = gpu_status()
@@ -93,7 +95,9 @@ def compile_cmd(jobs: int, dtypes: tuple[str, ...]) -> None:
         raise click.ClickException(f"no GPU to compile for: {why}")
     cfgs = [c for c in config.all_configs() if not dtypes or c.dtype in dtypes]
     t0 = time.perf_counter()
-    n = _compile.precompile(cfgs, jobs=jobs)
+    with ProgressBar(Console(), len(cfgs)) as bar:  # a bar on a terminal, nothing elsewhere
+        n = _compile.precompile(cfgs, jobs=jobs, progress=lambda cfg, done, total: bar.advance(
+            "compiled", f"{cfg.kernel} {cfg.dtype} d={cfg.head_dim}", completed=done))
     click.echo(f"compiled {n} kernel configs in {time.perf_counter() - t0:.1f} s ({jobs} jobs)")
 
 

@@ -175,6 +175,9 @@ def test_no_gpu_quick_json_and_plot(no_gpu, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "max abs error vs float64" in r.output and "log-log slope" in r.output
     assert "cuflash-numpy (numpy)" in r.output  # tables name the kernel family
+    # stdout is not a terminal here: no progress output at all
+    assert r.stderr == ""
+    assert not any(x in r.output for x in ("[bench]", "steps", " left", "memory: B=", "accuracy: float"))
 
 
 def test_memory_ratio_grows_with_n(no_gpu, tmp_path):
@@ -418,7 +421,7 @@ def test_device_and_host_timers_with_a_fake_clock():
 
 
 # ------------------------------------------------------------------------------------------------
-# Captions
+# Captions, progress
 
 
 def test_captions_sort_shapes_numerically():
@@ -434,6 +437,23 @@ def test_captions_sort_shapes_numerically():
     assert "2x8x512x128, 2x8x1024x64, 2x8x1024x128" in " ".join(console.export_text().split())
     assert report._caption([_row("x", 1, n=n) for n in (16384, 2048, 512)]).endswith("512x128, 2x8x2048x128, "
                                                                                      "2x8x16384x128")
+
+
+def test_progress_bar_only_on_a_terminal():
+    import io
+
+    from rich.console import Console
+
+    quiet = io.StringIO()
+    with command.ProgressBar(Console(file=quiet, force_terminal=False), 3) as bar:
+        bar.advance("seqlen", "B=2 H=8 N=512 d=128 cuflash")
+    assert bar.bar is None and quiet.getvalue() == ""
+    live = io.StringIO()
+    with command.ProgressBar(Console(file=live, force_terminal=True, width=150), 3) as bar:
+        bar.advance("seqlen", "B=2 H=8 N=512 d=128 cuflash")
+        bar.bar.refresh()
+    out = live.getvalue()
+    assert "seqlen: B=2 H=8 N=512 d=128 cuflash" in out and "0/3" in out and "left" in out
 
 
 # ------------------------------------------------------------------------------------------------

@@ -52,6 +52,25 @@ def test_compile_without_gpu_fails_clearly(no_gpu):
     assert r.output.strip() == "Error: no GPU to compile for: test: GPU hidden"
 
 
+def test_compile_reports_and_shows_no_progress_off_a_terminal(monkeypatch):
+    """With output not a terminal (CliRunner), `cuflash compile` prints its one result line only."""
+    calls = []
+
+    def fake_precompile(cfgs, jobs, progress):
+        calls.append((len(cfgs), jobs))
+        for i, cfg in enumerate(cfgs, 1):
+            progress(cfg, i, len(cfgs))
+        return len(cfgs)
+
+    monkeypatch.setattr(cli, "gpu_status", lambda: (True, ""))
+    monkeypatch.setattr(_compile, "precompile", fake_precompile)
+    r = CliRunner().invoke(cli.main, ["compile", "-j", "3", "--dtype", "float32"])
+    assert r.exit_code == 0, r.output
+    n = len([c for c in config.all_configs() if c.dtype == "float32"])
+    assert calls == [(n, 3)]
+    assert re.fullmatch(rf"compiled {n} kernel configs in \d+\.\d s \(3 jobs\)\n", r.output), r.output
+
+
 class FakeDevice:
     attributes = {"MaxSharedMemoryPerBlockOptin": 101_376}  # an sm_86-sized limit: some configs drop out
 

@@ -163,7 +163,7 @@ def bench(suites, dtype, causal, batch, heads, head_dim, seqlens, backends, json
     from rich.console import Console
 
     from .report import document, make_meta, render, validate, write_json
-    from .suites import Runner, Settings
+    from .suites import Runner, Settings, total_steps
 
     if quick:
         repeats, warmup, cell_seconds = 10, min(warmup, 2), min(cell_seconds, 0.2)
@@ -178,8 +178,8 @@ def bench(suites, dtype, causal, batch, heads, head_dim, seqlens, backends, json
     if not gpu_ok:  # one line, then the CPU suites
         click.echo(f"--cpu: {CPU_WHAT}" if force_cpu else f"no CUDA GPU visible ({why}): {CPU_WHAT}")
 
-    runner = Runner(settings)
-    with _progress(runner, settings, platform) as _:
+    with ProgressBar(console, total_steps(settings, platform)) as bar:
+        runner = Runner(settings, advance=bar.advance)
         result = runner.run(platform)
 
     meta = make_meta(settings.options(), platform, None if gpu_ok else why, notes=runner.notes)
@@ -202,47 +202,34 @@ def bench(suites, dtype, causal, batch, heads, head_dim, seqlens, backends, json
         raise click.ClickException(f"suite(s) {', '.join(errors)} failed: see 'reason' in the output")
 
 
-class _progress:
-    """A rich progress bar over the sweep on a terminal; one line per suite elsewhere."""
+class ProgressBar:
+    """A rich progress bar (what runs now, steps done, time elapsed and left) where the console is a
+    terminal; nothing at all otherwise. `advance(what, text)` is called as each step starts."""
 
-    def __init__(self, runner, settings, platform):
-        from .suites import cell_count, suite_params
+    def __init__(self, console, total: int):
+        self.bar = None
+        self.done = 0
+        if console.is_terminal and total > 0:
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
 
-        self.runner = runner
-        names = [n for n in SUITES if n in settings.suites] if platform == "gpu" else ["memory", "accuracy"]
-        n_impls = len(settings.backends) if platform == "gpu" else 2
-        self.totals = {n: cell_count(n, suite_params(n, settings, platform), n_impls) for n in names}
-        self.progress = None
-        self.tasks = {}
-        self.seen: set[str] = set()
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(), console=console,
+                                transient=True)
+            self.task = self.bar.add_task("starting", total=total)
+
+    def advance(self, what: str, text: str, completed: int | None = None) -> None:
+        if self.bar is not None:
+            done = self.done if completed is None else completed
+            self.bar.update(self.task, completed=done, description=f"{what}: {text}"[:70])
+            self.done = done + 1
 
     def __enter__(self):
-        from rich.console import Console
-
-        err = Console(stderr=True)
-        if err.is_terminal:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.progress = Progress(TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(),
-                                     TimeElapsedColumn(), console=err, transient=True)
-            self.progress.start()
-            self.tasks = {n: self.progress.add_task(n, total=t) for n, t in self.totals.items()}
-            self.runner.advance = self._advance_bar
-        else:
-            self.runner.advance = self._advance_line
+        if self.bar is not None:
+            self.bar.start()
         return self
 
-    def _advance_bar(self, suite, text):
-        task = self.tasks.get(suite)
-        if task is not None:
-            self.progress.update(task, advance=1, description=text[:40])
-
-    def _advance_line(self, suite, text):
-        if suite not in self.seen:
-            self.seen.add(suite)
-            click.echo(f"[bench] {suite}: {self.totals.get(suite, '?')} steps", err=True)
-
     def __exit__(self, *exc):
-        if self.progress is not None:
-            self.progress.stop()
+        if self.bar is not None:
+            self.bar.stop()
         return False
