@@ -421,7 +421,19 @@ def test_device_and_host_timers_with_a_fake_clock():
 
 
 # ------------------------------------------------------------------------------------------------
-# Captions, progress
+# --plot without matplotlib, captions, progress
+
+
+def test_plot_without_matplotlib_fails_at_once(no_gpu, monkeypatch, tmp_path):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    js = tmp_path / "r.json"
+    r = invoke(["--quick", *FAST, "--json", str(js), "--plot", str(tmp_path / "r.png")])
+    assert r.exit_code != 0
+    assert r.output.strip().splitlines() == ['Error: --plot needs matplotlib, which the bench extra installs: '
+                                            'pip install "cuflash[bench]"']
+    assert "Traceback" not in r.output and not js.exists()  # before any suite ran
 
 
 def test_captions_sort_shapes_numerically():

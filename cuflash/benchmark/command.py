@@ -165,6 +165,8 @@ def bench(suites, dtype, causal, batch, heads, head_dim, seqlens, backends, json
     from .report import document, make_meta, render, validate, write_json
     from .suites import Runner, Settings, total_steps
 
+    if plot_path:
+        require_matplotlib()
     if quick:
         repeats, warmup, cell_seconds = 10, min(warmup, 2), min(cell_seconds, 0.2)
     settings = Settings(suites=suites, dtype=dtype, causal=causal, batch=batch, heads=heads, head_dim=head_dim,
@@ -200,6 +202,15 @@ def bench(suites, dtype, causal, batch, heads, head_dim, seqlens, backends, json
     errors = [n for n, s in doc["suites"].items() if s["status"] == "error"]
     if errors:
         raise click.ClickException(f"suite(s) {', '.join(errors)} failed: see 'reason' in the output")
+
+
+def require_matplotlib() -> None:
+    """--plot needs matplotlib (the bench extra): say so before anything runs."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise click.ClickException('--plot needs matplotlib, which the bench extra installs: '
+                                   'pip install "cuflash[bench]"') from None
 
 
 class ProgressBar:
