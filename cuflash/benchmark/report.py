@@ -162,34 +162,26 @@ def _groups(rows: list[dict]) -> list[list[dict]]:
     return list(groups.values())
 
 
-def add_speedups(rows: list[dict], ref: str = "cuflash", key: str = "ms_median") -> None:
-    """Ratio columns: ref rows get speedup_vs_<impl> = impl / ref; other rows get cuflash_speedup."""
+def _add_ratios(rows: list[dict], ref: str, key: str, ref_prefix: str, other_key: str) -> None:
+    """Per group, the ref row gets <ref_prefix><impl> = row[key] of impl / row[key] of ref; the other
+    rows get the same number as <other_key>."""
     for members in _groups(rows):
         base = [r for r in members if r["implementation"] == ref and r["status"] == "ok" and r.get(key)]
-        if not base:
-            continue
-        b = base[0]
-        for r in members:
-            if r is b or r["status"] != "ok" or not r.get(key):
-                continue
-            ratio = r[key] / b[key]
-            b[f"speedup_vs_{r['implementation']}"] = ratio
-            r["cuflash_speedup"] = ratio
+        for r in members if base else []:
+            if r is not base[0] and r["status"] == "ok" and r.get(key) is not None:
+                ratio = r[key] / base[0][key]
+                base[0][ref_prefix + r["implementation"]] = ratio
+                r[other_key] = ratio
+
+
+def add_speedups(rows: list[dict], ref: str = "cuflash") -> None:
+    """ref rows get speedup_vs_<impl> = ms(impl) / ms(ref); other rows cuflash_speedup."""
+    _add_ratios(rows, ref, "ms_median", "speedup_vs_", "cuflash_speedup")
 
 
 def add_memory_ratios(rows: list[dict], ref: str = "cuflash") -> None:
     """ref rows get mem_ratio_vs_<impl> = peak(impl) / peak(ref); other rows mem_ratio_to_cuflash."""
-    for members in _groups(rows):
-        base = [r for r in members if r["implementation"] == ref and r["status"] == "ok" and r.get("peak_bytes")]
-        if not base:
-            continue
-        b = base[0]
-        for r in members:
-            if r is b or r["status"] != "ok" or r.get("peak_bytes") is None:
-                continue
-            ratio = r["peak_bytes"] / b["peak_bytes"]
-            b[f"mem_ratio_vs_{r['implementation']}"] = ratio
-            r["mem_ratio_to_cuflash"] = ratio
+    _add_ratios(rows, ref, "peak_bytes", "mem_ratio_vs_", "mem_ratio_to_cuflash")
 
 
 def add_host_ratios(rows: list[dict]) -> None:

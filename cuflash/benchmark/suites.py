@@ -9,6 +9,7 @@ the sweep.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import os
 import time
@@ -46,6 +47,7 @@ ACCURACY_DTYPES = ("float32", "float16", "bfloat16")
 CPU_SUITES = ("memory", "accuracy")
 # launch: (batch, nheads, seqlen, head_dim) when no --seqlens / --batch / --heads is given
 LAUNCH_SHAPES = ((1, 8, 128, 64), (2, 8, 4096, 128), (4, 16, 8192, 128))
+OUTPUTS = {"o": "fwd", "dq": "bwd", "dk": "bwd", "dv": "bwd"}  # accuracy: each output and the call giving it
 SKIPPED = "the time budget (--max-suite-seconds / --max-seconds) ran out"
 
 
@@ -291,6 +293,19 @@ class Runner:
     def _timer(self) -> dict:
         return dict(warmup=self.s.warmup, repeats=self.s.repeats, budget_s=self.s.cell_seconds)
 
+    def _cell(self, rows: list, budget: Budget, case: Case, impl, mode: str, measure: Callable[[], dict],
+              available: tuple[bool, str] | None = None) -> None:
+        """One row: why the cell did not run, what measure() returned (in impl's context), or how it failed."""
+        if nr := blocked(budget, impl.available() if available is None else available):
+            rows.append(row(case, impl.name, mode, **nr))
+            return
+        try:
+            with impl.context():
+                rows.append(row(case, impl.name, mode, **measure()))
+        except Exception as e:
+            rows.append(fail_row(case, impl.name, mode, e))
+        self._free()
+
     def _precompile(self, names: list[str]) -> None:
         """Compile every cuflash kernel config the suites will use, in parallel, before timing."""
         cfgs = kernel_configs(self.s, names)
@@ -327,33 +342,23 @@ class Runner:
         """seqlen and headdim (GPU): device time per call, TFLOP/s, speedups."""
         from .timing import clock, input_sets_for, tflops, time_device
 
-        impls, notes, l2 = self._impls(), {}, self._l2_bytes()
+        impls, l2 = self._impls(), self._l2_bytes()
         for case in suite_cases(self.suite, p):
-            sets = None
+            sets = functools.cache(lambda: self._inputs(case, input_sets_for(
+                max(case.set_bytes(m) for m in p["modes"]), l2)))  # made at first use
             for impl in impls:
                 self.step(f"{case.label} {impl.name}")
-                avail = impl.available()
                 for mode in p["modes"]:
-                    if nr := blocked(budget, avail):
-                        rows.append(row(case, impl.name, mode, **nr))
-                        continue
-                    try:
-                        if sets is None:
-                            sets = self._inputs(case, input_sets_for(max(case.set_bytes(m) for m in p["modes"]), l2))
-                        with impl.context():
-                            st = time_device(impl.calls(case, sets, mode), clock(impl.clock), **self._timer())
+                    def measure():
+                        st = time_device(impl.calls(case, sets(), mode), clock(impl.clock), **self._timer())
                         fl = case.flops(mode)
-                        rows.append(row(case, impl.name, mode, **st, flops=fl, tflops=tflops(fl, st["ms_median"]),
-                                        n_input_sets=len(sets)))
-                        if impl.notes(case.dtype):
-                            notes[impl.name] = impl.notes(case.dtype)
-                    except Exception as e:
-                        rows.append(fail_row(case, impl.name, mode, e))
-                self._free()
+                        return {**st, "flops": fl, "tflops": tflops(fl, st["ms_median"]), "n_input_sets": len(sets())}
+
+                    self._cell(rows, budget, case, impl, mode, measure)
             sets = None
-            self._free()
         add_speedups(rows, "cuflash")
-        return {"impl_notes": notes}
+        ran = {r["implementation"] for r in rows if r["status"] == "ok"}
+        return {"impl_notes": {i.name: i.notes(p["dtype"]) for i in impls if i.name in ran and i.notes(p["dtype"])}}
 
     def _memory(self, p: dict, budget: Budget, rows: list) -> dict:
         """Peak memory of one call above its inputs, against N (GPU: allocator pools; CPU: tracemalloc)."""
@@ -361,25 +366,13 @@ class Runner:
 
         impls = self._impls()
         for case in suite_cases("memory", p):
-            sets = None
+            sets = functools.cache(lambda: self._inputs(case))
             for impl in impls:
                 self.step(f"{case.label} {impl.name}")
-                avail = impl.available()
                 for mode in p["modes"]:
-                    if nr := blocked(budget, avail):
-                        rows.append(row(case, impl.name, mode, **nr))
-                        continue
-                    try:
-                        sets = sets or self._inputs(case)
-                        with impl.context():
-                            fn = impl.calls(case, sets, mode)[0]
-                            rows.append(row(case, impl.name, mode, **measure_peak(impl.memory, fn)))
-                    except Exception as e:
-                        rows.append(fail_row(case, impl.name, mode, e))
-                    fn = None
-                    self._free()
+                    self._cell(rows, budget, case, impl, mode,
+                               lambda: measure_peak(impl.memory, impl.calls(case, sets(), mode)[0]))
             sets = None
-            self._free()
         ours, base = ("cuflash", "conventional") if self.platform == "gpu" else ("cuflash-numpy", "materialized-numpy")
         add_memory_ratios(rows, ours)
         return memory_summary(rows, ours, base)
@@ -404,33 +397,31 @@ class Runner:
             out["matmul"] = {dt: pair[1].notes(dt)["matmul"] for dt in p["dtypes"]}
         return out
 
-    OUTPUTS = {"o": "fwd", "dq": "bwd", "dk": "bwd", "dv": "bwd"}
-
     def _errors(self, case: Case, pair: list, budget: Budget) -> list[dict]:
         """One row per (implementation, output); the first implementation's rows carry the rule's verdict
         against the second's error: max|ours - ref64| <= 2 max|materialized - ref64| + atol."""
         from .. import reference
 
         if nr := blocked(budget):
-            return [row(case, impl.name, mode, output=o, **nr) for impl in pair for o, mode in self.OUTPUTS.items()]
+            return [row(case, impl.name, mode, output=o, **nr) for impl in pair for o, mode in OUTPUTS.items()]
         try:
             s = self._inputs(case, seed=self.s.seed + case.seqlen_q)[0]
             kw = dict(causal=case.causal, softmax_scale=case.scale)
             q, k, v, do = (upcast(x) for x in (s.q, s.k, s.v, s.do))
-            ref = dict(zip(self.OUTPUTS, (reference.forward(q, k, v, **kw)[0], *reference.backward(do, q, k, v, **kw))))
+            ref = dict(zip(OUTPUTS, (reference.forward(q, k, v, **kw)[0], *reference.backward(do, q, k, v, **kw))))
             del q, k, v, do
         except Exception as e:  # inputs or the float64 reference did not fit
-            return [fail_row(case, impl.name, mode, e, output=o) for impl in pair for o, mode in self.OUTPUTS.items()]
+            return [fail_row(case, impl.name, mode, e, output=o) for impl in pair for o, mode in OUTPUTS.items()]
         new: dict[str, list[dict]] = {}
         for impl in pair:
             try:
                 state = impl.forward(case, s)
-                got = dict(zip(self.OUTPUTS, (state[0], *impl.backward(case, s, state))))
+                got = dict(zip(OUTPUTS, (state[0], *impl.backward(case, s, state))))
                 new[impl.name] = [row(case, impl.name, mode, output=o,
                                       max_abs_err=float(reference.max_abs_error(upcast(got[o]), ref[o])))
-                                  for o, mode in self.OUTPUTS.items()]
+                                  for o, mode in OUTPUTS.items()]
             except Exception as e:
-                new[impl.name] = [fail_row(case, impl.name, mode, e, output=o) for o, mode in self.OUTPUTS.items()]
+                new[impl.name] = [fail_row(case, impl.name, mode, e, output=o) for o, mode in OUTPUTS.items()]
             state = got = None
         atol = ACCURACY_ATOL[case.dtype]
         for r, b in zip(new[pair[0].name], new[pair[1].name]):
@@ -472,32 +463,20 @@ class Runner:
                   if n in self.s.backends]
         l2 = self._l2_bytes()
         for case in suite_cases("launch", p):
-            sets = None
+            sets = functools.cache(lambda: [bhsd(x) for x in self._inputs(case, input_sets_for(case.set_bytes("bwd"),
+                                                                                               l2))])
             for mode in p["modes"]:
                 self.step(f"{case.label} {mode}")
-                plain = None
+                plain = []  # the cuflash-cupy call, for the CUDA-graph row
                 for impl in impls:
-                    if nr := blocked(budget, impl.available()):
-                        rows.append(row(case, impl.name, mode, **nr))
-                        continue
-                    try:
-                        if sets is None:
-                            sets = [bhsd(x) for x in self._inputs(case, input_sets_for(case.set_bytes("bwd"), l2))]
-                        with impl.context():
-                            calls = impl.calls(case, sets, mode)
-                            rows.append(row(case, impl.name, mode, **time_call(calls, clock(impl.clock),
-                                                                                **self._timer())))
-                        if impl.name == "cuflash-cupy":
-                            plain = calls[0]
-                    except Exception as e:
-                        rows.append(fail_row(case, impl.name, mode, e))
-                    calls = None
-                    self._free()
-                if plain is None:
-                    rows.append(row(case, "cuflash-graph", mode, status="skipped",
-                                    reason="the plain cuflash-cupy call did not run"))
-                else:
-                    rows.append(self._graph_row(case, mode, plain))
+                    def measure():
+                        calls = impl.calls(case, sets(), mode)
+                        plain.extend(calls[:1] if impl.name == "cuflash-cupy" else [])
+                        return time_call(calls, clock(impl.clock), **self._timer())
+
+                    self._cell(rows, budget, case, impl, mode, measure)
+                rows.append(self._graph_row(case, mode, plain[0]) if plain else row(
+                    case, "cuflash-graph", mode, status="skipped", reason="the plain cuflash-cupy call did not run"))
                 plain = None
             sets = None
             self._free()
@@ -551,31 +530,23 @@ class Runner:
         from .timing import clock
 
         case = suite_cases("energy", p)[0]
-        sets = None
+        sets = functools.cache(lambda: self._inputs(case))
         for mode in p["modes"]:
             for impl in self._impls():
                 self.step(f"{mode} {impl.name}")
-                avail = (False, self.nvml_reason) if self.nvml is None else impl.available()
-                if nr := blocked(budget, avail):
-                    rows.append(row(case, impl.name, mode, **nr))
-                    continue
-                try:
-                    sets = sets or self._inputs(case)
-                    clk = clock(impl.clock)
-                    with impl.context():
-                        calls = impl.calls(case, sets, mode)
-                        for i in range(self.s.warmup):
-                            calls[i % len(calls)]()
-                        a, b = clk.event(), clk.event()
-                        clk.record(a)
-                        calls[0]()
-                        clk.record(b)
-                        clk.sync()
-                        res = self.nvml.measure(lambda i: calls[i % len(calls)](), clk.sync, window_s=p["window_s"],
-                                                est_ms=clk.elapsed_ms(a, b), idle_w=self.idle_w)
-                    rows.append(row(case, impl.name, mode, **res))
-                except Exception as e:
-                    rows.append(fail_row(case, impl.name, mode, e))
-                calls = None
-                self._free()
+
+                def measure():
+                    clk, calls = clock(impl.clock), impl.calls(case, sets(), mode)
+                    for i in range(self.s.warmup):
+                        calls[i % len(calls)]()
+                    a, b = clk.event(), clk.event()
+                    clk.record(a)
+                    calls[0]()
+                    clk.record(b)
+                    clk.sync()
+                    return self.nvml.measure(lambda i: calls[i % len(calls)](), clk.sync, window_s=p["window_s"],
+                                             est_ms=clk.elapsed_ms(a, b), idle_w=self.idle_w)
+
+                self._cell(rows, budget, case, impl, mode, measure,
+                           (False, self.nvml_reason) if self.nvml is None else None)
         return {"idle_w": self.idle_w} if self.nvml is not None else {"idle_w": None, "reason": self.nvml_reason}
