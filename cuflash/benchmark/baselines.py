@@ -1,7 +1,7 @@
 """The implementations a benchmark compares, behind one small interface.
 
 GPU: "cuflash" (cuflash.api on the cuda backend), "conventional" (materialized S and P in the input
-dtype: matmul, a row softmax in plain CuPy, matmul), and PyTorch's SDPA backends "torch-flash",
+dtype: matmul, a fused row-softmax kernel masked by cuflash.reference's rule, matmul), and PyTorch's SDPA backends "torch-flash",
 "torch-efficient", "torch-cudnn", "torch-math" (when torch is importable). The launch suite also
 runs cuflash on torch tensors ("cuflash-torch") and SDPA's backward through its low-level ops.
 CPU: "cuflash-numpy" (the tiled NumPy backend) and "materialized-numpy" (cuflash.reference storing
@@ -31,10 +31,8 @@ TORCH_BACKENDS = {
     "torch-math": "MATH",
 }
 GPU_IMPLS = ("cuflash", "conventional", *TORCH_BACKENDS)
-CPU_IMPLS = ("cuflash-numpy", "materialized-numpy")
 # atol of the accuracy rule max|ours - ref64| <= 2 max|same_precision - ref64| + atol
 ACCURACY_ATOL = {"float16": 1e-4, "bfloat16": 1e-3, "float32": 1e-6, "float64": 1e-12}
-SOFTMAX_BLOCK = 1 << 26  # elements of the conventional softmax's float32 working block (256 MiB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,51 +300,146 @@ class CuflashNumpy(Impl):
 # Materialized attention: S and P stored in the input dtype
 # ------------------------------------------------------------------------------------------------
 
+# Row softmax (forward) and its backward for the materialized baseline, one block per score row:
+# the accumulator is float (double for double inputs), stored values are in the input dtype. Which
+# keys a row sees comes from the host (_row_limits): the mask rule lives in cuflash.reference only.
+CONV_SRC = r"""
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
 
-def _acc(x):
-    return np.float64 if x.dtype.name == "float64" else np.float32
+__device__ __forceinline__ float to_acc(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_acc(float x) { return x; }
+__device__ __forceinline__ double to_acc(double x) { return x; }
+__device__ __forceinline__ void store(__half* p, float x) { *p = __float2half_rn(x); }
+__device__ __forceinline__ void store(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
+__device__ __forceinline__ void store(float* p, float x) { *p = x; }
+__device__ __forceinline__ void store(double* p, double x) { *p = x; }
+__device__ __forceinline__ float exp_acc(float x) { return expf(x); }
+__device__ __forceinline__ double exp_acc(double x) { return exp(x); }
+__device__ __forceinline__ float neg_inf(float) { return __int_as_float(0xff800000); }
+__device__ __forceinline__ double neg_inf(double) { return __longlong_as_double(0xfff0000000000000ULL); }
+
+template <typename A, bool kMax>
+__device__ __forceinline__ A warp_reduce(A v) {
+    for (int o = 16; o > 0; o >>= 1) {
+        A w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = kMax ? (w > v ? w : v) : v + w;
+    }
+    return v;
+}
+
+template <typename A, bool kMax>
+__device__ A block_reduce(A v, A* sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    v = warp_reduce<A, kMax>(v);
+    __syncthreads();  // sh may still be read from the previous reduction
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < nwarps ? sh[lane] : (kMax ? neg_inf(A(0)) : A(0));
+        v = warp_reduce<A, kMax>(v);
+        if (lane == 0) sh[0] = v;
+    }
+    __syncthreads();
+    return sh[0];
+}
+
+// P[row, :] = softmax(scale * S[row, :]) over keys j < limit[row % seqlen_q] (the keys the row sees,
+// counted on the host from the library's mask rule), 0 elsewhere.
+template <typename T, typename A>
+__global__ void conv_softmax_fwd(const T* __restrict__ s, T* __restrict__ p, const long long* __restrict__ limits,
+                                 long long seqlen_q, long long seqlen_k, A scale) {
+    __shared__ A sh[32];
+    const long long row = blockIdx.x;
+    const long long limit = limits[row % seqlen_q];
+    const T* sr = s + row * seqlen_k;
+    T* pr = p + row * seqlen_k;
+    A m = neg_inf(A(0));
+    for (long long j = threadIdx.x; j < limit; j += blockDim.x) {
+        A x = to_acc(sr[j]);
+        m = x > m ? x : m;
+    }
+    m = block_reduce<A, true>(m, sh);
+    A l = A(0);
+    for (long long j = threadIdx.x; j < limit; j += blockDim.x) l += exp_acc((to_acc(sr[j]) - m) * scale);
+    l = block_reduce<A, false>(l, sh);
+    const A inv = limit > 0 ? A(1) / l : A(0);
+    for (long long j = threadIdx.x; j < seqlen_k; j += blockDim.x)
+        store(pr + j, j < limit ? exp_acc((to_acc(sr[j]) - m) * scale) * inv : A(0));
+}
+
+// In place: dP[row, :] becomes dS * scale = scale * P * (dP - D), D = rowsum(P * dP) (= rowsum(dO * O)).
+template <typename T, typename A>
+__global__ void conv_softmax_bwd(const T* __restrict__ p, T* dp, long long seqlen_k, A scale) {
+    __shared__ A sh[32];
+    const long long row = blockIdx.x;
+    const T* pr = p + row * seqlen_k;
+    T* dr = dp + row * seqlen_k;
+    A d = A(0);
+    for (long long j = threadIdx.x; j < seqlen_k; j += blockDim.x) d += to_acc(pr[j]) * to_acc(dr[j]);
+    d = block_reduce<A, false>(d, sh);
+    for (long long j = threadIdx.x; j < seqlen_k; j += blockDim.x)
+        store(dr + j, scale * to_acc(pr[j]) * (to_acc(dr[j]) - d));
+}
+"""
+_CTYPE = {"float16": ("__half", "float"), "bfloat16": ("__nv_bfloat16", "float"),
+          "float32": ("float", "float"), "float64": ("double", "double")}
+CONV_NAMES = tuple(f"conv_softmax_{k}<{t}, {a}>" for k in ("fwd", "bwd") for t, a in _CTYPE.values())
+CONV_THREADS = 256
 
 
-def _row_blocks(s):
-    """Query-row ranges of S whose float32 working copy stays within SOFTMAX_BLOCK elements."""
-    rows = s.shape[-2]
-    step = max(1, SOFTMAX_BLOCK // max(1, s.size // max(1, rows)))
-    return [slice(r, r + step) for r in range(0, rows, step)]
+@functools.lru_cache(maxsize=None)
+def _conv_module(device_id: int):
+    import cupy
+
+    mod = cupy.RawModule(code=CONV_SRC, options=("-std=c++17",), name_expressions=CONV_NAMES)
+    mod.compile()
+    return mod
 
 
-def conventional_softmax(s, scale: float, causal: bool):
-    """P = softmax(scale * S) by rows of S (..., Sq, Sk), over the keys cuflash.reference's mask lets each
-    query see; stored in S's dtype, computed in float32 (float64 for float64) a block of rows at a time
-    so that S and P are the only N x N arrays. A row that sees no key gets P = 0."""
+def _conv_kernel(kind: str, dtype: str, device_id: int):
+    t, a = _CTYPE[dtype]
+    return _conv_module(device_id).get_function(f"conv_softmax_{kind}<{t}, {a}>")
+
+
+@functools.lru_cache(maxsize=64)
+def _row_limits(seqlen_q: int, seqlen_k: int, causal: bool, device_id: int):
+    """How many keys each query row sees, by cuflash.reference's mask rule (kept on the device). The keys a
+    row sees are a prefix of the keys for every mask the bench runs (bottom-right causal, or none)."""
+    import cupy
+
     from ..reference import _visible
 
-    xp, acc = _xp(s), _acc(s)
-    visible = _visible(s.shape[-2], s.shape[-1], causal, xp)
-    p = xp.empty_like(s)
-    raw = np.dtype(f"u{s.dtype.itemsize}")  # stores go through the bits: no bfloat16 arithmetic needed
-    for rows in _row_blocks(s):
-        x = upcast(s[..., rows, :], acc)
-        x *= acc(scale)
-        x = xp.where(visible[rows], x, acc(-math.inf))
-        m = x.max(axis=-1, keepdims=True)
-        x -= xp.where(m == -math.inf, acc(0), m)
-        xp.exp(x, out=x)
-        l = x.sum(axis=-1, keepdims=True)
-        x /= xp.where(l > 0, l, acc(1))
-        p.view(raw)[..., rows, :] = cast(x, s.dtype.name).view(raw)
+    return _visible(seqlen_q, seqlen_k, causal, cupy).sum(axis=1, dtype=cupy.int64)
+
+
+def _acc_scalar(dtype: str, x: float):
+    return np.float64(x) if dtype == "float64" else np.float32(x)
+
+
+def conv_softmax_fwd(s, scale: float, causal: bool):
+    """P = softmax(scale * S) by rows of a (..., seqlen_q, seqlen_k) CuPy array, in S's dtype."""
+    import cupy
+
+    s = cupy.ascontiguousarray(s)
+    p = cupy.empty_like(s)
+    sq, sk = s.shape[-2:]
+    if s.size:
+        dev, dt = cupy.cuda.Device().id, s.dtype.name
+        _conv_kernel("fwd", dt, dev)((s.size // sk,), (CONV_THREADS,), (
+            s, p, _row_limits(sq, sk, bool(causal), dev), np.int64(sq), np.int64(sk), _acc_scalar(dt, scale)))
     return p
 
 
-def conventional_softmax_backward_(p, dp, scale: float):
-    """dP -> scale * dS = scale * P * (dP - rowsum(P * dP)), in place (in dP's dtype), by row blocks."""
-    acc = _acc(p)
-    raw = np.dtype(f"u{dp.dtype.itemsize}")
-    for rows in _row_blocks(p):
-        pc, x = upcast(p[..., rows, :], acc), upcast(dp[..., rows, :], acc)
-        x -= (pc * x).sum(axis=-1, keepdims=True)
-        x *= pc
-        x *= acc(scale)
-        dp.view(raw)[..., rows, :] = cast(x, dp.dtype.name).view(raw)
+def conv_softmax_bwd_(p, dp, scale: float):
+    """dP -> scale * dS, in place (dp contiguous, the same shape and dtype as p)."""
+    import cupy
+
+    if p.size:
+        dt = p.dtype.name
+        _conv_kernel("bwd", dt, cupy.cuda.Device().id)((p.size // p.shape[-1],), (CONV_THREADS,), (
+            p, dp, np.int64(p.shape[-1]), _acc_scalar(dt, scale)))
     return dp
 
 
@@ -374,34 +467,34 @@ def conventional_matmul_mode(dtype: str) -> tuple[str, str]:
     return "fp32", f"cupy.matmul in float32 (cupy.matmul in {dtype} failed: {why}; torch absent)"
 
 
-def _mm(mode: str, xp):
+def _mm(mode: str):
+    import cupy
+
     if mode == "torch":
         import torch
 
-        return lambda a, b: xp.from_dlpack(torch.matmul(to_torch(a), to_torch(b)))
-    return xp.matmul
+        return lambda a, b: cupy.from_dlpack(torch.matmul(to_torch(a), to_torch(b)))
+    return cupy.matmul
 
 
 def conventional_forward(q, k, v, *, causal: bool, scale: float, mode: str = "native"):
-    """Materialized attention: S = Q K^T, P = softmax(S), O = P V. Returns (o bshd view, P)."""
-    xp, dtype = _xp(q), q.dtype.name
+    """Materialized attention on CuPy: S = Q K^T, P = softmax(S), O = P V. Returns (o bshd view, P)."""
+    mm, dtype = _mm(mode), q.dtype.name
     if mode == "fp32":
         q, k, v = (upcast(x, np.float32) for x in (q, k, v))
-    mm = _mm(mode, xp)
-    p = conventional_softmax(mm(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 3, 1)), scale, causal)  # (B, H, Sq, Sk)
+    p = conv_softmax_fwd(mm(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 3, 1)), scale, causal)  # (B, H, Sq, Sk)
     o = mm(p, v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
     return (cast(o, dtype) if mode == "fp32" else o), p
 
 
 def conventional_backward(do, q, k, v, p, *, scale: float, mode: str = "native"):
     """Gradients from the saved P: dV = P^T dO, dP = dO V^T, dS = P (dP - D), dQ = dS K, dK = dS^T Q."""
-    xp, dtype = _xp(q), q.dtype.name
+    mm, dtype = _mm(mode), q.dtype.name
     if mode == "fp32":
         do, q, k, v = (upcast(x, np.float32) for x in (do, q, k, v))
-    mm = _mm(mode, xp)
     doh = do.transpose(0, 2, 1, 3)
     dv = mm(p.swapaxes(-1, -2), doh)
-    ds = conventional_softmax_backward_(p, mm(doh, v.transpose(0, 2, 3, 1)), scale)  # scale * dS, in dP's memory
+    ds = conv_softmax_bwd_(p, mm(doh, v.transpose(0, 2, 3, 1)), scale)  # scale * dS, in dP's memory
     dq = mm(ds, k.transpose(0, 2, 1, 3))
     dk = mm(ds.swapaxes(-1, -2), q.transpose(0, 2, 1, 3))
     grads = tuple(x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
