@@ -470,12 +470,12 @@ def test_progress_bar_only_on_a_terminal():
 
 
 class FakeImpl:
-    """Stands in for CuflashGPU, Conventional, TorchSDPA: the same interface, host arrays, no work."""
+    """Stands in for Cuflash, Conventional, TorchSDPA: the same interface, host arrays, no work."""
 
     clock = "fake"
     memory = "fake"
 
-    def __init__(self, name="cuflash", layout="bshd", torch_inputs=False, raw_backward=False):
+    def __init__(self, name="cuflash", backend="cuda", layout="bshd", torch_inputs=False, raw_backward=False):
         self.name = name
 
     def available(self):
@@ -517,7 +517,7 @@ def test_every_gpu_suite_with_fakes(monkeypatch):
     from cuflash.benchmark import baselines, memory, suites
 
     monkeypatch.setattr(suites, "gpu_impls", lambda names: [FakeImpl(n) for n in names])
-    monkeypatch.setattr(suites, "CuflashGPU", FakeImpl)
+    monkeypatch.setattr(suites, "Cuflash", FakeImpl)
     monkeypatch.setattr(suites, "TorchSDPA", FakeImpl)
     monkeypatch.setattr(suites, "Conventional", lambda: FakeImpl("conventional"))
     monkeypatch.setattr(suites.Runner, "_inputs",

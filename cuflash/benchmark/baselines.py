@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import math
 import warnings
 
@@ -212,13 +213,20 @@ class Impl:
         """The input set as this implementation takes it (done once, outside any timed call)."""
         return s
 
-    def forward(self, case: Case, s: InputSet):
-        """State for the backward; its first element is the output o."""
+    def forward_call(self, case: Case, s: InputSet):
+        """The forward as a user calls it, bound to its arguments (no wrapper frame: the launch suite times
+        its host cost). Returns state for the backward; its first element is the output o."""
         raise NotImplementedError
 
-    def backward(self, case: Case, s: InputSet, state):
-        """(dq, dk, dv)."""
+    def backward_call(self, case: Case, s: InputSet, state):
+        """The backward, bound likewise; returns (dq, dk, dv)."""
         raise NotImplementedError
+
+    def forward(self, case: Case, s: InputSet):
+        return self.forward_call(case, s)()
+
+    def backward(self, case: Case, s: InputSet, state):
+        return self.backward_call(case, s, state)()
 
     def fwd_bwd(self, case: Case, s: InputSet):
         return self.backward(case, s, self.forward(case, s))
@@ -226,9 +234,9 @@ class Impl:
     def calls(self, case: Case, sets: list[InputSet], mode: str) -> list:
         sets = [self.prepare(s) for s in sets]
         if mode == "fwd":
-            return [functools.partial(self.forward, case, s) for s in sets]
+            return [self.forward_call(case, s) for s in sets]
         if mode == "bwd":
-            return [functools.partial(self.backward, case, s, self.forward(case, s)) for s in sets]
+            return [self.backward_call(case, s, self.forward(case, s)) for s in sets]
         return [functools.partial(self.fwd_bwd, case, s) for s in sets]
 
 
@@ -237,18 +245,19 @@ class Impl:
 # ------------------------------------------------------------------------------------------------
 
 
-class CuflashGPU(Impl):
-    """cuflash on the cuda backend; on CuPy arrays, or on torch tensors (torch_inputs)."""
+class Cuflash(Impl):
+    """cuflash through its public API: the cuda backend on CuPy arrays or torch tensors (torch_inputs),
+    or the tiled NumPy backend on NumPy arrays (backend="numpy")."""
 
-    def __init__(self, name: str = "cuflash", layout: str = "bshd", torch_inputs: bool = False):
-        self.name, self.layout, self.torch_inputs = name, layout, torch_inputs
+    def __init__(self, name: str = "cuflash", backend: str = "cuda", layout: str = "bshd",
+                 torch_inputs: bool = False):
+        self.name, self.backend, self.layout, self.torch_inputs = name, backend, layout, torch_inputs
         self.clock = "torch" if torch_inputs else "cupy"
+        self.memory = "host" if backend == "numpy" else "cupy"
 
     def available(self):
         try:
-            from ..backends import cuda
-
-            ok, why = cuda.available()
+            ok, why = importlib.import_module(f"..backends.{self.backend}", __package__).available()
         except Exception as e:
             return False, short_reason(e)
         return torch_cuda() if ok and self.torch_inputs else (ok, why)
@@ -257,43 +266,17 @@ class CuflashGPU(Impl):
         return InputSet(*(to_torch(x) for x in (s.q, s.k, s.v, s.do))) if self.torch_inputs else s
 
     def _kw(self, case):
-        return dict(causal=case.causal, softmax_scale=case.scale, layout=self.layout, backend="cuda")
+        return dict(causal=case.causal, softmax_scale=case.scale, layout=self.layout, backend=self.backend)
 
-    def forward(self, case, s):
+    def forward_call(self, case, s):
         from ..api import flash_attn_forward
 
-        return flash_attn_forward(s.q, s.k, s.v, **self._kw(case))
+        return functools.partial(flash_attn_forward, s.q, s.k, s.v, **self._kw(case))
 
-    def backward(self, case, s, state):
+    def backward_call(self, case, s, state):
         from ..api import flash_attn_backward
 
-        return flash_attn_backward(s.do, s.q, s.k, s.v, *state, **self._kw(case))
-
-
-class CuflashNumpy(Impl):
-    """cuflash's tiled NumPy backend, through the public API (backend="numpy")."""
-
-    name = "cuflash-numpy"
-    memory = "host"
-
-    def available(self):
-        try:
-            from ..backends import numpy as nb
-
-            return nb.available()
-        except Exception as e:
-            return False, short_reason(e)
-
-    def forward(self, case, s):
-        from ..api import flash_attn_forward
-
-        return flash_attn_forward(s.q, s.k, s.v, causal=case.causal, softmax_scale=case.scale, backend="numpy")
-
-    def backward(self, case, s, state):
-        from ..api import flash_attn_backward
-
-        return flash_attn_backward(s.do, s.q, s.k, s.v, *state, causal=case.causal, softmax_scale=case.scale,
-                                   backend="numpy")
+        return functools.partial(flash_attn_backward, s.do, s.q, s.k, s.v, *state, **self._kw(case))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -507,13 +490,13 @@ class Conventional(Impl):
     def notes(self, dtype):
         return {"matmul": conventional_matmul_mode(dtype)[1]}
 
-    def forward(self, case, s):
-        mode = conventional_matmul_mode(case.dtype)[0]
-        return conventional_forward(s.q, s.k, s.v, causal=case.causal, scale=case.scale, mode=mode)
+    def forward_call(self, case, s):
+        return functools.partial(conventional_forward, s.q, s.k, s.v, causal=case.causal, scale=case.scale,
+                                 mode=conventional_matmul_mode(case.dtype)[0])
 
-    def backward(self, case, s, state):
-        mode = conventional_matmul_mode(case.dtype)[0]
-        return conventional_backward(s.do, s.q, s.k, s.v, state[1], scale=case.scale, mode=mode)
+    def backward_call(self, case, s, state):
+        return functools.partial(conventional_backward, s.do, s.q, s.k, s.v, state[1], scale=case.scale,
+                                 mode=conventional_matmul_mode(case.dtype)[0])
 
 
 class MaterializedNumpy(Impl):
@@ -527,15 +510,15 @@ class MaterializedNumpy(Impl):
         precision = None if case.dtype == "float64" else case.dtype
         return dict(causal=case.causal, softmax_scale=case.scale, precision=precision)
 
-    def forward(self, case, s):
+    def forward_call(self, case, s):
         from .. import reference
 
-        return reference.forward(s.q, s.k, s.v, **self._kw(case))
+        return functools.partial(reference.forward, s.q, s.k, s.v, **self._kw(case))
 
-    def backward(self, case, s, state):
+    def backward_call(self, case, s, state):
         from .. import reference
 
-        return reference.backward(s.do, s.q, s.k, s.v, **self._kw(case))
+        return functools.partial(reference.backward, s.do, s.q, s.k, s.v, **self._kw(case))
 
     def fwd_bwd(self, case, s):  # reference.backward runs its own forward
         return self.backward(case, s, None)
@@ -647,7 +630,7 @@ def gpu_impls(names) -> list[Impl]:
     out: list[Impl] = []
     for n in names:
         if n == "cuflash":
-            out.append(CuflashGPU())
+            out.append(Cuflash())
         elif n == "conventional":
             out.append(Conventional())
         elif n in TORCH_BACKENDS:

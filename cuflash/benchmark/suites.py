@@ -22,8 +22,7 @@ from .baselines import (
     GPU_IMPLS,
     Case,
     Conventional,
-    CuflashGPU,
-    CuflashNumpy,
+    Cuflash,
     MaterializedNumpy,
     TorchSDPA,
     Unavailable,
@@ -288,7 +287,7 @@ class Runner:
         return gpu_inputs(case, n_sets, seed)
 
     def _impls(self) -> list:
-        return gpu_impls(self.s.backends) if self.platform == "gpu" else [CuflashNumpy(), MaterializedNumpy()]
+        return gpu_impls(self.s.backends) if self.platform == "gpu" else [Cuflash("cuflash-numpy", backend="numpy"), MaterializedNumpy()]
 
     def _timer(self) -> dict:
         return dict(warmup=self.s.warmup, repeats=self.s.repeats, budget_s=self.s.cell_seconds)
@@ -381,7 +380,7 @@ class Runner:
         """Max abs error of every output against float64, cuflash beside materialized attention in the
         input dtype (the accuracy rule); then bitwise reproducibility over repeated calls."""
         gpu = self.platform == "gpu"
-        pair = [CuflashGPU(), Conventional()] if gpu else [CuflashNumpy(), MaterializedNumpy()]
+        pair = [Cuflash(), Conventional()] if gpu else [Cuflash("cuflash-numpy", backend="numpy"), MaterializedNumpy()]
         for dt in p["dtypes"]:
             for n in p["seqlens"]:
                 self.step(f"{dt} N={n}")
@@ -457,8 +456,7 @@ class Runner:
         from .baselines import bhsd
         from .timing import clock, input_sets_for, time_call
 
-        impls = [CuflashGPU("cuflash-cupy", layout="bhsd"),
-                 CuflashGPU("cuflash-torch", layout="bhsd", torch_inputs=True)]
+        impls = [Cuflash("cuflash-cupy", layout="bhsd"), Cuflash("cuflash-torch", layout="bhsd", torch_inputs=True)]
         impls += [TorchSDPA(n, layout="bhsd", raw_backward=True) for n in ("torch-flash", "torch-cudnn")
                   if n in self.s.backends]
         l2 = self._l2_bytes()
