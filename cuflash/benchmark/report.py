@@ -542,10 +542,6 @@ def _cells(rows: list[dict], key) -> dict[tuple, dict[str, dict]]:
     return out
 
 
-def _modes(rows: list[dict]) -> list[str]:
-    return [m for m in MODES if any(r["mode"] == m for r in rows)]
-
-
 def _speed_tables(name: str, rows: list[dict], title: str, caption: str) -> list[Table]:
     """Per mode: a row per N (or head dim); cuflash's ms and TFLOP/s, each other implementation's
     TFLOP/s and, in brackets, its time over cuflash's (above 1: cuflash is faster)."""
@@ -555,11 +551,12 @@ def _speed_tables(name: str, rows: list[dict], title: str, caption: str) -> list
     key = (lambda r: (r["shape"]["head_dim"], r["shape"]["nheads"])) if name == "headdim" else \
         (lambda r: (r["shape"]["seqlen_q"],))
     out = []
-    for mode in _modes(rows):
+    for mode in [m for m in MODES if any(r["mode"] == m for r in rows)]:
         sub = [r for r in rows if r["mode"] == mode]
         header = keys + ([f"{_head(sub, ours)} ms", f"{_head(sub, ours)} TFLOP/s"] if ours else [])
         header += [f"{_head(sub, i)} TFLOP/s (cuflash x)" for i in impls if i != ours]
-        t = Table(f"{title}: {mode}", header, caption=caption, text_cols=0)
+        t = Table(f"{title}: {mode}", header, text_cols=0,
+                  caption=f"{caption}; (cuflash x) = its time over cuflash's, above 1: cuflash is faster")
         cells = _cells(sub, key)
         for k in sorted(cells):
             line = [str(x) for x in k]
