@@ -127,26 +127,34 @@ def _check_smem(cfg: KernelConfig) -> None:
         )
 
 
-def precompile(configs: list[KernelConfig], jobs: int = 1) -> int:
+def precompile(configs: list[KernelConfig], jobs: int = 1, progress=None) -> int:
     """Compile configs into CuPy's disk cache, `jobs` processes at a time. Returns how many.
-    Configs that need more shared memory than this device grants are left out."""
+    Configs that need more shared memory than this device grants are left out.
+    `progress(cfg, done, total)`, if given, is called once per config as it finishes compiling."""
     import cupy
 
     limit = cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
     configs = [c for c in configs if c.smem_bytes <= limit]
+    total = len(configs)
     if jobs <= 1:
-        for cfg in configs:
+        for done, cfg in enumerate(configs, 1):
             kernel(cfg)
-        return len(configs)
+            if progress is not None:
+                progress(cfg, done, total)
+        return total
     import concurrent.futures
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-        list(pool.map(_precompile_one, [dataclasses.astuple(c) for c in configs]))
+        futures = {pool.submit(_precompile_one, dataclasses.astuple(c)): c for c in configs}
+        for done, fut in enumerate(concurrent.futures.as_completed(futures), 1):
+            fut.result()
+            if progress is not None:
+                progress(futures[fut], done, total)
     for cfg in configs:  # load into this process from the disk cache
         kernel(cfg)
-    return len(configs)
+    return total
 
 
 def _precompile_one(fields: tuple) -> None:

@@ -9,7 +9,8 @@ import platform
 import click
 
 from . import __version__
-from .benchmark.command import bench
+from ._interop import gpu_status
+from .benchmark.command import ProgressBar, bench
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -30,8 +31,6 @@ def _backend_status() -> dict[str, tuple[bool, str]]:
 
 
 def info_dict() -> dict:
-    from ._interop import gpu_status
-
     info: dict = {"cuflash": __version__, "python": platform.python_version()}
     import numpy
 
@@ -87,15 +86,18 @@ def compile_cmd(jobs: int, dtypes: tuple[str, ...]) -> None:
     """Compile every shipped kernel config into CuPy's disk cache (later calls start at once)."""
     import time
 
+    from rich.console import Console
+
     from . import _compile, config
-    from ._interop import gpu_status
 
     ok, why = gpu_status()
     if not ok:
         raise click.ClickException(f"no GPU to compile for: {why}")
     cfgs = [c for c in config.all_configs() if not dtypes or c.dtype in dtypes]
     t0 = time.perf_counter()
-    n = _compile.precompile(cfgs, jobs=jobs)
+    with ProgressBar(Console(), len(cfgs)) as bar:  # a bar on a terminal, nothing elsewhere
+        n = _compile.precompile(cfgs, jobs=jobs, progress=lambda cfg, done, total: bar.advance(
+            "compiled", f"{cfg.kernel} {cfg.dtype} d={cfg.head_dim}", completed=done))
     click.echo(f"compiled {n} kernel configs in {time.perf_counter() - t0:.1f} s ({jobs} jobs)")
 
 

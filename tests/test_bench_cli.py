@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from cuflash.benchmark import SUITES, command, report, timing
 from cuflash.benchmark.command import bench
-from cuflash.benchmark.suites import Settings, cell_count, suite_params
+from cuflash.benchmark.suites import Settings, cell_count, kernel_configs, suite_cases, suite_params, total_steps
 
 FAST = ["--seqlens", "32,64", "--heads", "1", "--head-dim", "32"]
 
@@ -104,6 +104,42 @@ def test_suite_params_defaults_match_the_issue():
         suite_params("seqlen", s, "cpu")
 
 
+def shapes(p):
+    return [(x["batch"], x["nheads"], x["seqlen"], x["head_dim"]) for x in p["shapes"]]
+
+
+def test_launch_params():
+    p = suite_params("launch", Settings(), "gpu")
+    assert shapes(p) == [(1, 8, 128, 64), (2, 8, 4096, 128), (4, 16, 8192, 128)]
+    assert (p["dtype"], p["causal"], p["modes"]) == ("bfloat16", True, ["fwd", "bwd"])
+    assert "synchronized before each call" in p["host_timing"]
+    assert shapes(suite_params("launch", Settings(quick=True), "gpu")) == [(1, 8, 128, 64), (2, 8, 4096, 128)]
+    assert shapes(suite_params("launch", Settings(seqlens=(256, 1024)), "gpu")) == [(2, 8, 256, 128),
+                                                                                     (2, 8, 1024, 128)]
+    assert shapes(suite_params("launch", Settings(batch=3), "gpu")) == [(3, 8, 128, 128), (3, 8, 4096, 128),
+                                                                         (3, 8, 8192, 128)]
+    cases = suite_cases("launch", p)
+    assert [c.label for c in cases][0] == "B=1 H=8 N=128 d=64" and cell_count("launch", p, 6) == 6
+    cfgs = kernel_configs(Settings(suites=("launch",), backends=()), ["launch"])
+    assert {(c.dtype, c.head_dim) for c in cfgs} == {("bfloat16", 64), ("bfloat16", 128)}
+    assert {c.kernel for c in cfgs} == {"flash_fwd", "flash_bwd_preprocess", "flash_bwd_dkdv", "flash_bwd_dq"}
+    assert kernel_configs(Settings(suites=("seqlen",), backends=("conventional",)), ["seqlen"]) == []
+    acc = suite_params("accuracy", Settings(), "gpu")
+    assert acc["repro_seqlen"] == 2048 and suite_params("accuracy", Settings(), "cpu")["repro_seqlen"] == 512
+    assert total_steps(Settings(suites=("launch",)), "gpu") == 6 + len(kernel_configs(Settings(), ["launch"]))
+
+
+def test_families():
+    assert report.family("cuflash", "bfloat16") == "mma" and report.family("cuflash-torch", "float16") == "mma"
+    assert report.family("cuflash", "float32") == "simt" and report.family("cuflash-graph", "float64") == "simt"
+    assert report.family("cuflash-numpy", "float16") == "numpy"
+    assert report.family("torch-flash", "bfloat16") == "torch-flash"
+    assert report.family("torch-cudnn", "bfloat16") == "cudnn"
+    assert report.family("conventional", "float32") == "conventional"
+    r = report.make_row(_row("x", 1)["shape"], "float32", True, "cuflash", "fwd", status="OOM", reason="x")
+    assert r["family"] == "simt"  # rows that did not run say it too
+
+
 # ------------------------------------------------------------------------------------------------
 # The no-GPU path end to end
 
@@ -130,9 +166,18 @@ def test_no_gpu_quick_json_and_plot(no_gpu, tmp_path):
     rule = [x for x in acc["rows"] if "within_rule" in x]
     assert rule and all(x["within_rule"] for x in rule)
     rep = [x for x in acc["rows"] if x.get("output") == "all"]
-    assert len(rep) == 6 and all(x["bitwise_reproducible"] for x in rep)
+    ours_rep = [x for x in rep if x["implementation"] == "cuflash-numpy"]
+    assert len(ours_rep) == 6 and all(x["bitwise_reproducible"] for x in ours_rep)
+    assert len(rep) == 12 and all(x["status"] == "ok" for x in rep)  # materialized-numpy's too: one suite
+    rows = mem["rows"] + acc["rows"]
+    assert {x["family"] for x in rows if x["implementation"] == "cuflash-numpy"} == {"numpy"}
+    assert {x["family"] for x in rows if x["implementation"] == "materialized-numpy"} == {"conventional"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "max abs error vs float64" in r.output and "log-log slope" in r.output
+    assert "cuflash-numpy (numpy)" in r.output  # tables name the kernel family
+    # stdout is not a terminal here: no progress output at all
+    assert r.stderr == ""
+    assert not any(x in r.output for x in ("[bench]", "steps", " left", "memory: B=", "accuracy: float"))
 
 
 def test_memory_ratio_grows_with_n(no_gpu, tmp_path):
@@ -286,17 +331,21 @@ def test_tables_and_plot_from_gpu_rows(tmp_path):
         "memory": {"platform": "gpu", "status": "ok", "reason": None, "seconds": 1.0, "params": {}, "rows": mem,
                    **report.memory_summary(mem, "cuflash", "conventional")},
     }
-    console = Console(record=True, width=150)
+    console = Console(record=True, width=250)
     report.render(console, suites)
     text = console.export_text()
     assert "seqlen (gpu, partial" in text and "(4.00x)" in text and "OOM" in text
     assert "log-log slope 1.00" in text
+    assert "cuflash (mma) TFLOP/s" in text and "torch-math TFLOP/s (cuflash x)" in text
+    md = report.markdown(suites)  # the same tables as Markdown (RESULTS.md, README)
+    assert "#### TFLOP/s" in md and "| cuflash (mma) ms |" in md and "| 1024 | 2.000 | 1 |" in md
+    assert "| fwd | 2048 | 2.0 MiB | 4.0 MiB (2.0x) |" in md
     panels = plot(suites, tmp_path / "g.png", title="test")
     assert len(panels) == 3 and (tmp_path / "g.png").stat().st_size > 10_000
 
 
 def test_baseline_kernels_compile_for_sm90():
-    """The conventional baseline's softmax kernels compile (NVRTC needs no GPU)."""
+    """The conventional baseline's softmax kernels and the timer's spin kernel compile (NVRTC needs no GPU)."""
     nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
     from cuflash._compile import _cuda_include_dirs
     from cuflash.benchmark.baselines import CONV_NAMES, CONV_SRC
@@ -315,6 +364,20 @@ def test_baseline_kernels_compile_for_sm90():
         nvrtc.nvrtcGetProgramLog(prog, log)
         assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
         nvrtc.nvrtcDestroyProgram(prog)
+
+
+def test_conventional_mask_comes_from_the_reference():
+    """The baseline's kernels hold no copy of the mask rule: per-row key counts from reference._visible."""
+    import numpy as np
+
+    from cuflash import reference
+    from cuflash.benchmark.baselines import CONV_SRC
+
+    assert "causal" not in CONV_SRC and "seqlen_k - seqlen_q" not in CONV_SRC
+    for sq, sk in ((6, 6), (4, 9), (9, 4)):
+        vis = reference._visible(sq, sk, True, np)
+        counts = vis.sum(axis=1)
+        assert (vis == (np.arange(sk)[None, :] < counts[:, None])).all()  # a prefix: the count says it all
 
 
 class FakeClock:
@@ -352,3 +415,162 @@ def test_device_and_host_timers_with_a_fake_clock():
     doc = _gpu_doc()
     doc["suites"]["launch"]["rows"] = [row]
     assert report.validate(doc) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# --plot without matplotlib, captions, progress
+
+
+def test_plot_without_matplotlib_fails_at_once(no_gpu, monkeypatch, tmp_path):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    js = tmp_path / "r.json"
+    r = invoke(["--quick", *FAST, "--json", str(js), "--plot", str(tmp_path / "r.png")])
+    assert r.exit_code != 0
+    assert r.output.strip().splitlines() == ['Error: --plot needs matplotlib, which the bench extra installs: '
+                                            'pip install "cuflash[bench]"']
+    assert "Traceback" not in r.output and not js.exists()  # before any suite ran
+
+
+def test_captions_sort_shapes_numerically():
+    from rich.console import Console
+
+    rows = [_row("cuflash", 1.0, n=n) for n in (1024, 512, 1024, 4096)]
+    for r, d in zip(rows, (128, 128, 64, 64)):
+        r["shape"]["head_dim"] = d
+    text = report._caption(rows)
+    assert text == "shapes (B x H x N x d): 2x8x512x128, 2x8x1024x64, 2x8x1024x128, 2x8x4096x64"
+    console = Console(record=True, width=200)
+    report.render(console, {"seqlen": {"platform": "gpu", "status": "ok", "seconds": 1.0, "rows": rows}})
+    assert "2x8x512x128, 2x8x1024x64, 2x8x1024x128" in " ".join(console.export_text().split())
+    assert report._caption([_row("x", 1, n=n) for n in (16384, 2048, 512)]).endswith("512x128, 2x8x2048x128, "
+                                                                                     "2x8x16384x128")
+
+
+def test_progress_bar_only_on_a_terminal():
+    import io
+
+    from rich.console import Console
+
+    quiet = io.StringIO()
+    with command.ProgressBar(Console(file=quiet, force_terminal=False), 3) as bar:
+        bar.advance("seqlen", "B=2 H=8 N=512 d=128 cuflash")
+    assert bar.bar is None and quiet.getvalue() == ""
+    live = io.StringIO()
+    with command.ProgressBar(Console(file=live, force_terminal=True, width=150), 3) as bar:
+        bar.advance("seqlen", "B=2 H=8 N=512 d=128 cuflash")
+        bar.bar.refresh()
+    out = live.getvalue()
+    assert "seqlen: B=2 H=8 N=512 d=128 cuflash" in out and "0/3" in out and "left" in out
+
+
+# ------------------------------------------------------------------------------------------------
+# The GPU code paths of every suite, run on the CPU with fake implementations and clocks
+
+
+class FakeImpl:
+    """Stands in for Cuflash, Conventional, TorchSDPA: the same interface, host arrays, no work."""
+
+    clock = "fake"
+    memory = "fake"
+
+    def __init__(self, name="cuflash", backend="cuda", layout="bshd", torch_inputs=False, raw_backward=False):
+        self.name = name
+
+    def available(self):
+        return True, ""
+
+    def context(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def notes(self, dtype):
+        return {"matmul": "fake"} if self.name == "conventional" else {}
+
+    def forward(self, case, s):
+        return s.q, s.q
+
+    def backward(self, case, s, state):
+        return s.q, s.k, s.v
+
+    def calls(self, case, sets, mode):
+        return [lambda s=s: self.forward(case, s) for s in sets]
+
+
+class FakeNvml:
+    def measure(self, call, sync, *, window_s, est_ms, idle_w):
+        for i in range(3):
+            call(i)
+        return {"calls": 3, "window_s": 0.01, "ms_per_call": 1.0, "joules_per_call_above_idle": 1.0,
+                "joules_per_call": 1.2, "avg_power_above_idle_w": 500.0, "avg_power_w": 600.0}
+
+    def close(self):
+        pass
+
+
+def test_every_gpu_suite_with_fakes(monkeypatch):
+    from rich.console import Console
+
+    from cuflash import _compile
+    from cuflash.benchmark import baselines, memory, suites
+
+    monkeypatch.setattr(suites, "gpu_impls", lambda names: [FakeImpl(n) for n in names])
+    monkeypatch.setattr(suites, "Cuflash", FakeImpl)
+    monkeypatch.setattr(suites, "TorchSDPA", FakeImpl)
+    monkeypatch.setattr(suites, "Conventional", lambda: FakeImpl("conventional"))
+    monkeypatch.setattr(suites.Runner, "_inputs",
+                        lambda self, case, n_sets=1, seed=None: [baselines.cpu_inputs(case, 0)] * n_sets)
+    monkeypatch.setattr(suites.Runner, "_l2_bytes", lambda self: 2**20)
+    monkeypatch.setattr(suites.Runner, "_graph_row", lambda self, case, mode, fn: suites.row(
+        case, "cuflash-graph", mode, **timing.time_call([fn], FakeClock(), warmup=1, repeats=10, budget_s=0.1)))
+
+    def energy_setup(self):
+        self.nvml, self.idle_w = FakeNvml(), 100.0
+
+    monkeypatch.setattr(suites.Runner, "_energy_setup", energy_setup)
+    monkeypatch.setattr(timing, "clock", lambda kind: FakeClock())
+    monkeypatch.setattr(memory, "measure_peak", lambda allocator, fn: {"peak_bytes": 1000, "allocator": "fake"}
+                        if fn() is not None else None)
+    monkeypatch.setattr(memory, "free_gpu_caches", lambda: None)
+    monkeypatch.setattr(baselines, "bhsd", lambda s: s)
+    compiled = []
+    monkeypatch.setattr(_compile, "precompile", lambda cfgs, jobs, progress: [
+        (compiled.append(c), progress(c, i, len(cfgs))) for i, c in enumerate(cfgs, 1)])
+
+    steps = []
+    s = Settings(suites=SUITES, quick=True, seqlens=(16, 32), batch=1, heads=1, head_dim=16, repeats=10,
+                 cell_seconds=0.05)
+    runner = suites.Runner(s, advance=lambda suite, text: steps.append(suite))
+    out = runner.run("gpu")
+    assert len(steps) == suites.total_steps(s, "gpu") and compiled and steps[0] == "precompile"
+    doc = report.document(report.make_meta(s.options(), "gpu", None, notes=runner.notes), out)
+    assert report.validate(doc) == []
+    assert {n: x["status"] for n, x in doc["suites"].items()} == {n: "ok" for n in SUITES}, \
+        "\n".join(x.get("traceback") or "" for x in doc["suites"].values())
+    rows = [r for x in doc["suites"].values() for r in x["rows"]]
+    fam = {(r["implementation"], r["dtype"]): r["family"] for r in rows}
+    assert fam[("cuflash", "bfloat16")] == "mma" and fam[("cuflash", "float32")] == "simt"
+    assert fam[("torch-cudnn", "bfloat16")] == "cudnn" and fam[("conventional", "bfloat16")] == "conventional"
+    assert doc["suites"]["accuracy"]["matmul"] == {dt: "fake" for dt in ("float32", "float16", "bfloat16")}
+
+    launch = doc["suites"]["launch"]
+    assert [x["seqlen"] for x in launch["params"]["shapes"]] == [16, 32]
+    impls = ["cuflash-cupy", "cuflash-torch", "torch-flash", "torch-cudnn", "cuflash-graph"]
+    assert [r["implementation"] for r in launch["rows"]] == impls * 4  # 2 shapes x (fwd, bwd)
+    for r in launch["rows"]:
+        assert r["host_us_median"] == pytest.approx(r["host_ms_median"] * 1e3) and r["n_runs"] >= 10
+        assert "synchronized before each call" in r["method"] and r["family"] in ("mma", "torch-flash", "cudnn")
+    ct = [r for r in launch["rows"] if r["implementation"] == "cuflash-torch"]
+    assert all(r["host_ratio_vs_torch-flash"] > 0 and r["host_ratio_vs_torch-cudnn"] > 0 for r in ct)
+
+    console = Console(record=True, width=250)
+    report.render(console, doc["suites"])
+    text = console.export_text()
+    assert "launch (gpu, ok" in text and "host us per cached call" in text and "device ms per call" in text
+    assert "cuflash-torch / torch-cudnn" in text and "torch-cudnn (cudnn)" in text and "cuflash-cupy (mma)" in text
+    assert "stream synchronized before each call" in text
+    assert "energy: idle power 100 W subtracted" in text
+    md = report.markdown(doc["suites"])
+    assert "| B x H x N x d | mode | cuflash-cupy (mma) | cuflash-torch (mma) | torch-flash |" in md

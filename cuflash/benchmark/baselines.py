@@ -1,14 +1,15 @@
 """The implementations a benchmark compares, behind one small interface.
 
 GPU: "cuflash" (cuflash.api on the cuda backend), "conventional" (materialized S and P in the input
-dtype: cuBLAS matmul, a row softmax kernel, matmul, all through CuPy), and PyTorch's SDPA backends
-"torch-flash", "torch-efficient", "torch-cudnn", "torch-math" (when torch is importable).
+dtype: matmul, a fused row-softmax kernel masked by cuflash.reference's rule, matmul), and PyTorch's SDPA backends "torch-flash",
+"torch-efficient", "torch-cudnn", "torch-math" (when torch is importable). The launch suite also
+runs cuflash on torch tensors ("cuflash-torch") and SDPA's backward through its low-level ops.
 CPU: "cuflash-numpy" (the tiled NumPy backend) and "materialized-numpy" (cuflash.reference storing
 every materialized stage in the input dtype: the accuracy rule's same-precision reference).
 
-Each implementation gives `calls(case, sets, mode)`: one zero-argument callable per input set, so a
-timer can rotate among the sets. Heavy modules (cupy, torch, ml_dtypes) are imported inside
-functions.
+An implementation gives `forward(case, s) -> state` and `backward(case, s, state) -> grads`, and
+from them `calls(case, sets, mode)`: one zero-argument callable per input set, so that a timer can
+rotate among the sets. Heavy modules (cupy, torch) are imported inside functions.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import math
 import warnings
 
 import numpy as np
 
-from ..config import DTYPES, numpy_dtype
+from ..config import numpy_dtype
 
-MODES = ("fwd", "bwd", "fwd_bwd")
 TORCH_BACKENDS = {
     "torch-flash": "FLASH_ATTENTION",
     "torch-efficient": "EFFICIENT_ATTENTION",
@@ -31,17 +32,8 @@ TORCH_BACKENDS = {
     "torch-math": "MATH",
 }
 GPU_IMPLS = ("cuflash", "conventional", *TORCH_BACKENDS)
-CPU_IMPLS = ("cuflash-numpy", "materialized-numpy")
-DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "fp64": "float64"}
 # atol of the accuracy rule max|ours - ref64| <= 2 max|same_precision - ref64| + atol
 ACCURACY_ATOL = {"float16": 1e-4, "bfloat16": 1e-3, "float32": 1e-6, "float64": 1e-12}
-
-
-def canonical_dtype(name: str) -> str:
-    name = DTYPE_ALIASES.get(name.lower(), name.lower())
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (or bf16, fp16, fp32, fp64), got {name!r}")
-    return name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +49,10 @@ class Case:
     @property
     def scale(self) -> float:
         return 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def label(self) -> str:
+        return f"B={self.batch} H={self.nheads} N={self.seqlen_q} d={self.head_dim}"
 
     def shape(self) -> dict:
         return {"batch": self.batch, "nheads": self.nheads, "seqlen_q": self.seqlen_q,
@@ -99,50 +95,60 @@ def is_oom(e: BaseException) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------
-# Arrays
+# Arrays (NumPy or CuPy: the namespace is the input's)
 # ------------------------------------------------------------------------------------------------
 
 
-def gpu_cast(x32, dtype: str):
-    """A CuPy float32 array in `dtype`; bfloat16 by round-to-nearest-even on the bits if astype can't."""
-    import cupy
+def _xp(x):
+    from ..reference import _namespace
 
+    return _namespace(x)
+
+
+def cast(x32, dtype: str):
+    """A float32 array in `dtype`; bfloat16 by round-to-nearest-even on the bits where astype can't."""
+    xp = _xp(x32)
     dt = numpy_dtype(dtype)
-    if dtype != "bfloat16":
-        return x32.astype(dt)
     try:
         return x32.astype(dt)
     except Exception:
-        u = cupy.ascontiguousarray(x32).view(cupy.uint32)
-        r = (u + cupy.uint32(0x7FFF) + ((u >> cupy.uint32(16)) & cupy.uint32(1))) >> cupy.uint32(16)
-        return r.astype(cupy.uint16).view(dt)
+        if dtype != "bfloat16":
+            raise
+        u = xp.ascontiguousarray(x32, dtype=xp.float32).view(xp.uint32)
+        r = (u + xp.uint32(0x7FFF) + ((u >> xp.uint32(16)) & xp.uint32(1))) >> xp.uint32(16)
+        return r.astype(xp.uint16).view(dt)
 
 
-def gpu_to_f64(x):
-    """A CuPy array as float64 (bfloat16 through its bits if CuPy cannot cast it)."""
-    import cupy
-
-    if x.dtype.name != "bfloat16":
-        return x.astype(cupy.float64)
+def upcast(x, dtype=np.float64):
+    """An array as float32 or float64 (bfloat16 through its bits where astype can't)."""
+    xp = _xp(x)
     try:
-        return x.astype(cupy.float64)
+        return x.astype(dtype)
     except Exception:
-        u = cupy.ascontiguousarray(x).view(cupy.uint16).astype(cupy.uint32) << cupy.uint32(16)
-        return u.view(cupy.float32).astype(cupy.float64)
+        if x.dtype.name != "bfloat16":
+            raise
+        u = xp.ascontiguousarray(x).view(xp.uint16).astype(xp.uint32) << xp.uint32(16)
+        return u.view(xp.float32).astype(dtype)
+
+
+def same_bits(a, b) -> bool:
+    """Two arrays (or tuples of arrays) hold the same bytes."""
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
+    xp = _xp(a)
+    a, b = xp.ascontiguousarray(a), xp.ascontiguousarray(b)
+    return a.shape == b.shape and bool(xp.array_equal(a.view(xp.uint8), b.view(xp.uint8)))
 
 
 def gpu_inputs(case: Case, n_sets: int, seed: int = 0) -> list[InputSet]:
-    """Random normal q, k, v, dout (never zeros) in bshd layout, n_sets independent sets."""
+    """Random normal q, k, v, dout (never zeros) in bshd layout on the GPU, n_sets independent sets."""
     import cupy
 
     rs = cupy.random.RandomState(seed)
     qs = (case.batch, case.seqlen_q, case.nheads, case.head_dim)
     ks = (case.batch, case.seqlen_k, case.nheads, case.head_dim)
-    out = []
-    for _ in range(n_sets):
-        q, k, v, do = (gpu_cast(rs.standard_normal(s, dtype=cupy.float32), case.dtype) for s in (qs, ks, ks, qs))
-        out.append(InputSet(q, k, v, do))
-    return out
+    return [InputSet(*(cast(rs.standard_normal(s, dtype=cupy.float32), case.dtype) for s in (qs, ks, ks, qs)))
+            for _ in range(n_sets)]
 
 
 def cpu_inputs(case: Case, seed: int = 0) -> InputSet:
@@ -150,8 +156,14 @@ def cpu_inputs(case: Case, seed: int = 0) -> InputSet:
     dt = numpy_dtype(case.dtype)
     qs = (case.batch, case.seqlen_q, case.nheads, case.head_dim)
     ks = (case.batch, case.seqlen_k, case.nheads, case.head_dim)
-    q, k, v, do = (rng.standard_normal(s, dtype=np.float32).astype(dt) for s in (qs, ks, ks, qs))
-    return InputSet(q, k, v, do)
+    return InputSet(*(rng.standard_normal(s, dtype=np.float32).astype(dt) for s in (qs, ks, ks, qs)))
+
+
+def bhsd(s: InputSet) -> InputSet:
+    """The same values as contiguous (B, H, N, d) CuPy arrays."""
+    import cupy
+
+    return InputSet(*(cupy.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (s.q, s.k, s.v, s.do)))
 
 
 def to_torch(x):
@@ -168,6 +180,16 @@ def to_torch(x):
         return torch.from_dlpack(x.view(cupy.uint16)).view(torch.bfloat16)
 
 
+def torch_cuda() -> tuple[bool, str]:
+    try:
+        import torch
+    except Exception as e:
+        return False, f"torch not importable ({short_reason(e)})"
+    if not torch.cuda.is_available():
+        return False, "torch sees no CUDA device"
+    return True, ""
+
+
 # ------------------------------------------------------------------------------------------------
 # Base class
 # ------------------------------------------------------------------------------------------------
@@ -177,7 +199,6 @@ class Impl:
     name = ""
     clock = "cupy"  # which events time it: "cupy" or "torch"
     memory = "cupy"  # which allocator sees its memory: "cupy", "torch" or "host"
-    notes: dict = {}
 
     def available(self) -> tuple[bool, str]:
         return True, ""
@@ -185,8 +206,38 @@ class Impl:
     def context(self):
         return contextlib.nullcontext()
 
-    def calls(self, case: Case, sets: list[InputSet], mode: str) -> list:
+    def notes(self, dtype: str) -> dict:
+        return {}
+
+    def prepare(self, s: InputSet) -> InputSet:
+        """The input set as this implementation takes it (done once, outside any timed call)."""
+        return s
+
+    def forward_call(self, case: Case, s: InputSet):
+        """The forward as a user calls it, bound to its arguments (no wrapper frame: the launch suite times
+        its host cost). Returns state for the backward; its first element is the output o."""
         raise NotImplementedError
+
+    def backward_call(self, case: Case, s: InputSet, state):
+        """The backward, bound likewise; returns (dq, dk, dv)."""
+        raise NotImplementedError
+
+    def forward(self, case: Case, s: InputSet):
+        return self.forward_call(case, s)()
+
+    def backward(self, case: Case, s: InputSet, state):
+        return self.backward_call(case, s, state)()
+
+    def fwd_bwd(self, case: Case, s: InputSet):
+        return self.backward(case, s, self.forward(case, s))
+
+    def calls(self, case: Case, sets: list[InputSet], mode: str) -> list:
+        sets = [self.prepare(s) for s in sets]
+        if mode == "fwd":
+            return [self.forward_call(case, s) for s in sets]
+        if mode == "bwd":
+            return [self.backward_call(case, s, self.forward(case, s)) for s in sets]
+        return [functools.partial(self.fwd_bwd, case, s) for s in sets]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -194,47 +245,47 @@ class Impl:
 # ------------------------------------------------------------------------------------------------
 
 
-class CuflashGPU(Impl):
-    name = "cuflash"
+class Cuflash(Impl):
+    """cuflash through its public API: the cuda backend on CuPy arrays or torch tensors (torch_inputs),
+    or the tiled NumPy backend on NumPy arrays (backend="numpy")."""
+
+    def __init__(self, name: str = "cuflash", backend: str = "cuda", layout: str = "bshd",
+                 torch_inputs: bool = False):
+        self.name, self.backend, self.layout, self.torch_inputs = name, backend, layout, torch_inputs
+        self.clock = "torch" if torch_inputs else "cupy"
+        self.memory = "host" if backend == "numpy" else "cupy"
 
     def available(self):
         try:
-            from ..backends import cuda
-
-            return cuda.available()
+            ok, why = importlib.import_module(f"..backends.{self.backend}", __package__).available()
         except Exception as e:
             return False, short_reason(e)
+        return torch_cuda() if ok and self.torch_inputs else (ok, why)
 
-    def calls(self, case, sets, mode):
-        from ..api import flash_attn_backward, flash_attn_forward
+    def prepare(self, s):
+        return InputSet(*(to_torch(x) for x in (s.q, s.k, s.v, s.do))) if self.torch_inputs else s
 
-        kw = dict(causal=case.causal, softmax_scale=case.scale, backend="cuda")
+    def _kw(self, case):
+        return dict(causal=case.causal, softmax_scale=case.scale, layout=self.layout, backend=self.backend)
 
-        def fwd(s):
-            return flash_attn_forward(s.q, s.k, s.v, **kw)
+    def forward_call(self, case, s):
+        from ..api import flash_attn_forward
 
-        if mode == "fwd":
-            return [functools.partial(fwd, s) for s in sets]
-        if mode == "bwd":
-            out = []
-            for s in sets:
-                o, lse = fwd(s)
-                out.append(functools.partial(flash_attn_backward, s.do, s.q, s.k, s.v, o, lse, **kw))
-            return out
+        return functools.partial(flash_attn_forward, s.q, s.k, s.v, **self._kw(case))
 
-        def fwd_bwd(s):
-            o, lse = fwd(s)
-            return flash_attn_backward(s.do, s.q, s.k, s.v, o, lse, **kw)
+    def backward_call(self, case, s, state):
+        from ..api import flash_attn_backward
 
-        return [functools.partial(fwd_bwd, s) for s in sets]
+        return functools.partial(flash_attn_backward, s.do, s.q, s.k, s.v, *state, **self._kw(case))
 
 
 # ------------------------------------------------------------------------------------------------
-# Conventional: materialized S and P in the input dtype, on CuPy
+# Materialized attention: S and P stored in the input dtype
 # ------------------------------------------------------------------------------------------------
 
-# Row softmax (forward) and its backward for the materialized baseline. One block per score row;
-# the accumulator is float (double for double inputs); the stored values are in the input dtype.
+# Row softmax (forward) and its backward for the materialized baseline, one block per score row:
+# the accumulator is float (double for double inputs), stored values are in the input dtype. Which
+# keys a row sees comes from the host (_row_limits): the mask rule lives in cuflash.reference only.
 CONV_SRC = r"""
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -277,15 +328,14 @@ __device__ A block_reduce(A v, A* sh) {
     return sh[0];
 }
 
-// P[row, :] = softmax(scale * S[row, :]) over the keys the row sees (bottom-right causal), 0 elsewhere.
+// P[row, :] = softmax(scale * S[row, :]) over keys j < limit[row % seqlen_q] (the keys the row sees,
+// counted on the host from the library's mask rule), 0 elsewhere.
 template <typename T, typename A>
-__global__ void conv_softmax_fwd(const T* __restrict__ s, T* __restrict__ p, long long seqlen_q,
-                                 long long seqlen_k, A scale, int causal) {
+__global__ void conv_softmax_fwd(const T* __restrict__ s, T* __restrict__ p, const long long* __restrict__ limits,
+                                 long long seqlen_q, long long seqlen_k, A scale) {
     __shared__ A sh[32];
     const long long row = blockIdx.x;
-    const long long i = row % seqlen_q;
-    long long limit = causal ? i + 1 + seqlen_k - seqlen_q : seqlen_k;
-    limit = limit > seqlen_k ? seqlen_k : (limit < 0 ? 0 : limit);
+    const long long limit = limits[row % seqlen_q];
     const T* sr = s + row * seqlen_k;
     T* pr = p + row * seqlen_k;
     A m = neg_inf(A(0));
@@ -331,11 +381,20 @@ def _conv_module(device_id: int):
     return mod
 
 
-def _conv_kernel(kind: str, dtype: str):
+def _conv_kernel(kind: str, dtype: str, device_id: int):
+    t, a = _CTYPE[dtype]
+    return _conv_module(device_id).get_function(f"conv_softmax_{kind}<{t}, {a}>")
+
+
+@functools.lru_cache(maxsize=64)
+def _row_limits(seqlen_q: int, seqlen_k: int, causal: bool, device_id: int):
+    """How many keys each query row sees, by cuflash.reference's mask rule (kept on the device). The keys a
+    row sees are a prefix of the keys for every mask the bench runs (bottom-right causal, or none)."""
     import cupy
 
-    t, a = _CTYPE[dtype]
-    return _conv_module(cupy.cuda.Device().id).get_function(f"conv_softmax_{kind}<{t}, {a}>")
+    from ..reference import _visible
+
+    return _visible(seqlen_q, seqlen_k, causal, cupy).sum(axis=1, dtype=cupy.int64)
 
 
 def _acc_scalar(dtype: str, x: float):
@@ -343,33 +402,33 @@ def _acc_scalar(dtype: str, x: float):
 
 
 def conv_softmax_fwd(s, scale: float, causal: bool):
-    """P = softmax(scale * S) by rows of a contiguous (..., seqlen_q, seqlen_k) array, same dtype."""
+    """P = softmax(scale * S) by rows of a (..., seqlen_q, seqlen_k) CuPy array, in S's dtype."""
     import cupy
 
     s = cupy.ascontiguousarray(s)
     p = cupy.empty_like(s)
-    sq, sk = s.shape[-2], s.shape[-1]
-    rows = s.size // sk if sk else 0
-    if rows:
-        dt = s.dtype.name
-        _conv_kernel("fwd", dt)((rows,), (CONV_THREADS,),
-                                (s, p, np.int64(sq), np.int64(sk), _acc_scalar(dt, scale), np.int32(bool(causal))))
+    sq, sk = s.shape[-2:]
+    if s.size:
+        dev, dt = cupy.cuda.Device().id, s.dtype.name
+        _conv_kernel("fwd", dt, dev)((s.size // sk,), (CONV_THREADS,), (
+            s, p, _row_limits(sq, sk, bool(causal), dev), np.int64(sq), np.int64(sk), _acc_scalar(dt, scale)))
     return p
 
 
 def conv_softmax_bwd_(p, dp, scale: float):
     """dP -> scale * dS, in place (dp contiguous, the same shape and dtype as p)."""
-    sk = p.shape[-1]
-    rows = p.size // sk if sk else 0
-    if rows:
+    import cupy
+
+    if p.size:
         dt = p.dtype.name
-        _conv_kernel("bwd", dt)((rows,), (CONV_THREADS,), (p, dp, np.int64(sk), _acc_scalar(dt, scale)))
+        _conv_kernel("bwd", dt, cupy.cuda.Device().id)((p.size // p.shape[-1],), (CONV_THREADS,), (
+            p, dp, np.int64(p.shape[-1]), _acc_scalar(dt, scale)))
     return dp
 
 
 @functools.lru_cache(maxsize=None)
 def conventional_matmul_mode(dtype: str) -> tuple[str, str]:
-    """("cupy" | "torch" | "cupy-fp32", note): how the baseline multiplies in `dtype`.
+    """("native" | "torch" | "fp32", note): how the GPU baseline multiplies in `dtype`.
 
     CuPy's matmul in the input dtype where it works; otherwise torch's matmul in the input dtype
     (through DLPack), else float32 on CuPy (and the JSON says so).
@@ -377,24 +436,18 @@ def conventional_matmul_mode(dtype: str) -> tuple[str, str]:
     import cupy
 
     try:
-        a32 = cupy.random.RandomState(1).standard_normal((2, 3, 16, 8), dtype=cupy.float32)
-        a = gpu_cast(a32, dtype)
+        a = cast(cupy.random.RandomState(1).standard_normal((2, 3, 16, 8), dtype=cupy.float32), dtype)
         c = cupy.matmul(a, a.swapaxes(-1, -2))
-        ref = cupy.matmul(gpu_to_f64(a), gpu_to_f64(a).swapaxes(-1, -2))
-        err = float(cupy.abs(gpu_to_f64(c) - ref).max())
+        ref = cupy.matmul(upcast(a), upcast(a).swapaxes(-1, -2))
+        err = float(cupy.abs(upcast(c) - ref).max())
         if not err < 0.5:  # catches NaN too
             raise RuntimeError(f"matmul in {dtype} is off by {err}")
-        return "cupy", f"cupy.matmul in {dtype}"
+        return "native", f"cupy.matmul in {dtype}"
     except Exception as e:
         why = short_reason(e)
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return "torch", f"torch.matmul in {dtype} (cupy.matmul failed: {why})"
-    except Exception:
-        pass
-    return "cupy-fp32", f"cupy.matmul in float32 (cupy.matmul in {dtype} failed: {why}; torch absent)"
+    if torch_cuda()[0]:
+        return "torch", f"torch.matmul in {dtype} (cupy.matmul failed: {why})"
+    return "fp32", f"cupy.matmul in float32 (cupy.matmul in {dtype} failed: {why}; torch absent)"
 
 
 def _mm(mode: str):
@@ -407,180 +460,43 @@ def _mm(mode: str):
     return cupy.matmul
 
 
-def conventional_forward(q, k, v, *, causal: bool, scale: float, mode: str = "cupy"):
+def conventional_forward(q, k, v, *, causal: bool, scale: float, mode: str = "native"):
     """Materialized attention on CuPy: S = Q K^T, P = softmax(S), O = P V. Returns (o bshd view, P)."""
-    mm = _mm(mode)
-    dtype = q.dtype
-    if mode == "cupy-fp32":
-        import cupy
-
-        q, k, v = (gpu_to_f64(x).astype(cupy.float32) for x in (q, k, v))
-    s = mm(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 3, 1))  # (B, H, Sq, Sk), materialized
-    p = conv_softmax_fwd(s, scale, causal)  # (B, H, Sq, Sk), materialized
-    del s
+    mm, dtype = _mm(mode), q.dtype.name
+    if mode == "fp32":
+        q, k, v = (upcast(x, np.float32) for x in (q, k, v))
+    p = conv_softmax_fwd(mm(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 3, 1)), scale, causal)  # (B, H, Sq, Sk)
     o = mm(p, v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
-    if mode == "cupy-fp32":
-        o = gpu_cast(o, dtype.name)
-    return o, p
+    return (cast(o, dtype) if mode == "fp32" else o), p
 
 
-def conventional_backward(do, q, k, v, p, *, scale: float, mode: str = "cupy"):
+def conventional_backward(do, q, k, v, p, *, scale: float, mode: str = "native"):
     """Gradients from the saved P: dV = P^T dO, dP = dO V^T, dS = P (dP - D), dQ = dS K, dK = dS^T Q."""
-    mm = _mm(mode)
-    dtype = q.dtype
-    if mode == "cupy-fp32":
-        import cupy
-
-        do, q, k, v = (gpu_to_f64(x).astype(cupy.float32) for x in (do, q, k, v))
+    mm, dtype = _mm(mode), q.dtype.name
+    if mode == "fp32":
+        do, q, k, v = (upcast(x, np.float32) for x in (do, q, k, v))
     doh = do.transpose(0, 2, 1, 3)
     dv = mm(p.swapaxes(-1, -2), doh)
-    dp = mm(doh, v.transpose(0, 2, 3, 1))  # (B, H, Sq, Sk), materialized
-    ds = conv_softmax_bwd_(p, dp, scale)  # scale * dS, in dP's memory
+    ds = conv_softmax_bwd_(p, mm(doh, v.transpose(0, 2, 3, 1)), scale)  # scale * dS, in dP's memory
     dq = mm(ds, k.transpose(0, 2, 1, 3))
     dk = mm(ds.swapaxes(-1, -2), q.transpose(0, 2, 1, 3))
     grads = tuple(x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
-    if mode == "cupy-fp32":
-        grads = tuple(gpu_cast(x, dtype.name) for x in grads)
-    return grads
+    return tuple(cast(x, dtype) for x in grads) if mode == "fp32" else grads
 
 
 class Conventional(Impl):
     name = "conventional"
 
-    def __init__(self):
-        self.notes = {}
+    def notes(self, dtype):
+        return {"matmul": conventional_matmul_mode(dtype)[1]}
 
-    def calls(self, case, sets, mode):
-        mm_mode, note = conventional_matmul_mode(case.dtype)
-        self.notes = {"matmul": note}
-        kw = dict(causal=case.causal, scale=case.scale, mode=mm_mode)
+    def forward_call(self, case, s):
+        return functools.partial(conventional_forward, s.q, s.k, s.v, causal=case.causal, scale=case.scale,
+                                 mode=conventional_matmul_mode(case.dtype)[0])
 
-        def fwd(s):
-            return conventional_forward(s.q, s.k, s.v, **kw)
-
-        def bwd(s, p):
-            return conventional_backward(s.do, s.q, s.k, s.v, p, scale=case.scale, mode=mm_mode)
-
-        if mode == "fwd":
-            return [functools.partial(fwd, s) for s in sets]
-        if mode == "bwd":
-            return [functools.partial(bwd, s, fwd(s)[1]) for s in sets]
-
-        def fwd_bwd(s):
-            _, p = fwd(s)
-            return bwd(s, p)
-
-        return [functools.partial(fwd_bwd, s) for s in sets]
-
-
-# ------------------------------------------------------------------------------------------------
-# torch SDPA backends
-# ------------------------------------------------------------------------------------------------
-
-
-class TorchSDPA(Impl):
-    clock = "torch"
-    memory = "torch"
-
-    def __init__(self, name: str):
-        self.name = name
-        self.backend = TORCH_BACKENDS[name]
-        self.notes = {"layout": "(B, H, N, d) transposed views of the bshd CuPy inputs, zero-copy (DLPack)"}
-
-    def available(self):
-        try:
-            import torch
-            from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: F401
-        except Exception as e:
-            return False, f"torch not importable ({short_reason(e)})"
-        if not torch.cuda.is_available():
-            return False, "torch sees no CUDA device"
-        if not hasattr(SDPBackend, self.backend):
-            return False, f"this torch has no SDPBackend.{self.backend}"
-        return True, ""
-
-    def context(self):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        return sdpa_kernel(getattr(SDPBackend, self.backend))
-
-    def calls(self, case, sets, mode):
-        import torch
-        import torch.nn.functional as F
-
-        kw = dict(is_causal=case.causal, scale=case.scale)  # causal: top-left == bottom-right for Sq == Sk
-
-        def t(x):
-            return to_torch(x).transpose(1, 2)
-
-        out = []
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                for s in sets:
-                    q, k, v, do = t(s.q), t(s.k), t(s.v), t(s.do)
-                    if mode == "fwd":
-                        out.append(functools.partial(F.scaled_dot_product_attention, q, k, v, **kw))
-                        continue
-                    qg, kg, vg = (x.detach().requires_grad_(True) for x in (q, k, v))
-                    if mode == "bwd":
-                        o = F.scaled_dot_product_attention(qg, kg, vg, **kw)
-                        out.append(functools.partial(torch.autograd.grad, o, (qg, kg, vg), do, retain_graph=True))
-                    else:
-                        def fwd_bwd(qg=qg, kg=kg, vg=vg, do=do):
-                            o = F.scaled_dot_product_attention(qg, kg, vg, **kw)
-                            return torch.autograd.grad(o, (qg, kg, vg), do)
-
-                        out.append(fwd_bwd)
-                out[0]()  # a backend that cannot run this case raises here
-            except Exception as e:
-                why = [str(w.message).splitlines()[0] for w in caught][:3]
-                if is_oom(e):
-                    raise
-                raise Unavailable("; ".join([short_reason(e, 200), *why])[:500]) from e
-        return out
-
-
-def gpu_impls(names) -> list[Impl]:
-    out = []
-    for n in names:
-        if n == "cuflash":
-            out.append(CuflashGPU())
-        elif n == "conventional":
-            out.append(Conventional())
-        elif n in TORCH_BACKENDS:
-            out.append(TorchSDPA(n))
-    return out
-
-
-# ------------------------------------------------------------------------------------------------
-# CPU: the NumPy backend against materialized NumPy
-# ------------------------------------------------------------------------------------------------
-
-
-class CuflashNumpy(Impl):
-    """cuflash's tiled NumPy backend, through the public API (backend="numpy")."""
-
-    name = "cuflash-numpy"
-    memory = "host"
-
-    def forward(self, q, k, v, *, causal, scale):
-        from ..api import flash_attn_forward
-
-        return flash_attn_forward(q, k, v, causal=causal, softmax_scale=scale, backend="numpy")
-
-    def backward(self, do, q, k, v, o, lse, *, causal, scale):
-        from ..api import flash_attn_backward
-
-        return flash_attn_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale, backend="numpy")
-
-    def available(self):
-        try:
-            from ..backends import numpy as nb
-
-            return nb.available()
-        except Exception as e:
-            return False, short_reason(e)
+    def backward_call(self, case, s, state):
+        return functools.partial(conventional_backward, s.do, s.q, s.k, s.v, state[1], scale=case.scale,
+                                 mode=conventional_matmul_mode(case.dtype)[0])
 
 
 class MaterializedNumpy(Impl):
@@ -590,16 +506,133 @@ class MaterializedNumpy(Impl):
     memory = "host"
 
     @staticmethod
-    def _precision(x):
-        name = x.dtype.name
-        return None if name == "float64" else name
+    def _kw(case):
+        precision = None if case.dtype == "float64" else case.dtype
+        return dict(causal=case.causal, softmax_scale=case.scale, precision=precision)
 
-    def forward(self, q, k, v, *, causal, scale):
+    def forward_call(self, case, s):
         from .. import reference
 
-        return reference.forward(q, k, v, causal=causal, softmax_scale=scale, precision=self._precision(q))
+        return functools.partial(reference.forward, s.q, s.k, s.v, **self._kw(case))
 
-    def backward(self, do, q, k, v, *, causal, scale):
+    def backward_call(self, case, s, state):
         from .. import reference
 
-        return reference.backward(do, q, k, v, causal=causal, softmax_scale=scale, precision=self._precision(q))
+        return functools.partial(reference.backward, s.do, s.q, s.k, s.v, **self._kw(case))
+
+    def fwd_bwd(self, case, s):  # reference.backward runs its own forward
+        return self.backward(case, s, None)
+
+
+# ------------------------------------------------------------------------------------------------
+# torch SDPA backends
+# ------------------------------------------------------------------------------------------------
+
+
+class TorchSDPA(Impl):
+    """F.scaled_dot_product_attention with one backend forced (sdpa_kernel, entered outside the timed
+    calls). Backward through autograd, or (raw_backward, flash and cuDNN only) through the aten
+    backward op that autograd would call, fed the saved outputs of the aten forward op."""
+
+    clock = "torch"
+    memory = "torch"
+
+    def __init__(self, name: str, layout: str = "bshd", raw_backward: bool = False):
+        self.name, self.layout, self.raw_backward = name, layout, raw_backward
+        self.backend = TORCH_BACKENDS[name]
+
+    def notes(self, dtype):
+        if self.layout == "bhsd":
+            return {"layout": "contiguous (B, H, N, d) tensors sharing the CuPy inputs' memory (DLPack)"}
+        return {"layout": "(B, H, N, d) transposed views of the bshd CuPy inputs, zero-copy (DLPack)"}
+
+    def available(self):
+        ok, why = torch_cuda()
+        if not ok:
+            return ok, why
+        try:
+            from torch.nn.attention import SDPBackend
+        except Exception as e:
+            return False, f"this torch has no torch.nn.attention ({short_reason(e)})"
+        if not hasattr(SDPBackend, self.backend):
+            return False, f"this torch has no SDPBackend.{self.backend}"
+        return True, ""
+
+    def context(self):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel(getattr(SDPBackend, self.backend))
+
+    def prepare(self, s):
+        return InputSet(*(to_torch(x) if self.layout == "bhsd" else to_torch(x).transpose(1, 2)
+                          for x in (s.q, s.k, s.v, s.do)))
+
+    def calls(self, case, sets, mode):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                out = [self._call(case, self.prepare(s), mode) for s in sets]
+                out[0]()  # a backend that cannot run this case raises here
+            except Exception as e:
+                if is_oom(e):
+                    raise
+                why = [str(w.message).splitlines()[0] for w in caught][:3]
+                raise Unavailable("; ".join([short_reason(e, 200), *why])[:500]) from e
+        return out
+
+    def _call(self, case, s, mode):
+        import torch
+        import torch.nn.functional as F
+
+        kw = dict(is_causal=case.causal, scale=case.scale)  # causal: top-left == bottom-right for Sq == Sk
+        if mode == "fwd":
+            return functools.partial(F.scaled_dot_product_attention, s.q, s.k, s.v, **kw)
+        if mode == "bwd" and self.raw_backward:
+            return self._raw_backward(case, s)
+        q, k, v = (x.detach().requires_grad_(True) for x in (s.q, s.k, s.v))
+        if mode == "bwd":
+            o = F.scaled_dot_product_attention(q, k, v, **kw)
+            return functools.partial(torch.autograd.grad, o, (q, k, v), s.do, retain_graph=True)
+
+        def fwd_bwd():
+            return torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, **kw), (q, k, v), s.do)
+
+        return fwd_bwd
+
+    def _raw_backward(self, case, s):
+        """Signatures of torch 2.11's native_functions.yaml:
+        _scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, return_debug_mask, *, scale)
+          -> (out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, debug_mask)
+        _scaled_dot_product_flash_attention_backward(grad_out, q, k, v, out, logsumexp, cum_seq_q,
+          cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *, scale)
+        _scaled_dot_product_cudnn_attention(q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal,
+          return_debug_mask, *, scale) -> (the same nine outputs)
+        _scaled_dot_product_cudnn_attention_backward(grad_out, q, k, v, out, logsumexp, philox_seed,
+          philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale)
+        """
+        import torch
+
+        aten, c, sc = torch.ops.aten, case.causal, case.scale
+        if self.name == "torch-flash":
+            o, lse, cq, ck, mq, mk, seed, off, _ = aten._scaled_dot_product_flash_attention(
+                s.q, s.k, s.v, 0.0, c, False, scale=sc)
+            return functools.partial(aten._scaled_dot_product_flash_attention_backward, s.do, s.q, s.k, s.v, o, lse,
+                                     cq, ck, mq, mk, 0.0, c, seed, off, scale=sc)
+        if self.name == "torch-cudnn":
+            o, lse, cq, ck, mq, mk, seed, off, _ = aten._scaled_dot_product_cudnn_attention(
+                s.q, s.k, s.v, None, True, 0.0, c, False, scale=sc)
+            return functools.partial(aten._scaled_dot_product_cudnn_attention_backward, s.do, s.q, s.k, s.v, o, lse,
+                                     seed, off, None, cq, ck, mq, mk, 0.0, c, scale=sc)
+        raise Unavailable(f"no low-level backward op wired for {self.name}")
+
+
+def gpu_impls(names) -> list[Impl]:
+    out: list[Impl] = []
+    for n in names:
+        if n == "cuflash":
+            out.append(Cuflash())
+        elif n == "conventional":
+            out.append(Conventional())
+        elif n in TORCH_BACKENDS:
+            out.append(TorchSDPA(n))
+    return out

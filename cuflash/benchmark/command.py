@@ -6,9 +6,11 @@ import sys
 
 import click
 
+from ..config import DTYPES, dtype_name
 from . import SUITES
-from .baselines import DTYPE_ALIASES, DTYPES, GPU_IMPLS, TORCH_BACKENDS
+from .baselines import GPU_IMPLS, TORCH_BACKENDS
 
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "fp64": "float64"}
 CPU_WHAT = "running the NumPy backend against materialized NumPy at small N (memory slope and accuracy)"
 
 
@@ -87,11 +89,11 @@ def parse_dtype(ctx, param, value) -> str | None:
     if value is None:
         return None
     v = value.lower()
-    v = DTYPE_ALIASES.get(v, v)
-    if v not in DTYPES:
+    try:
+        return dtype_name(DTYPE_ALIASES.get(v, v))
+    except TypeError:
         raise click.BadParameter(f"{value!r} is not a dtype; choose from {', '.join(DTYPES)} "
-                                 f"(or {', '.join(DTYPE_ALIASES)})")
-    return v
+                                 f"(or {', '.join(DTYPE_ALIASES)})") from None
 
 
 def parse_head_dim(ctx, param, value) -> int | None:
@@ -127,7 +129,8 @@ def parse_png(ctx, param, value) -> str | None:
               help="Head dim, a multiple of 8 up to 256 (default 128; CPU 64).")
 @click.option("--seqlens", callback=parse_seqlens, default=None, metavar="N[,N...]",
               help="Sequence lengths for seqlen, memory, launch and accuracy (energy uses the largest). "
-                   "Default: seqlen 512..16384 doubling.")
+                   "Default: seqlen 512..16384 doubling; launch B1 H8 N128 d64, B2 H8 N4096 d128, "
+                   "B4 H16 N8192 d128 (--seqlens, --batch or --heads replace these shapes).")
 @click.option("--backends", callback=parse_backends, default=None, metavar="NAME[,NAME...]",
               help=f"Implementations: {', '.join(GPU_IMPLS)}; torch = its four SDPA backends; all (default).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, metavar="PATH",
@@ -153,14 +156,17 @@ def bench(suites, dtype, causal, batch, heads, head_dim, seqlens, backends, json
     """Benchmark cuflash against materialized attention and PyTorch's SDPA backends.
 
     Figures are the median of >= 10 timed runs after warm-up (CUDA events); the JSON keeps min and
-    max. Without a GPU (or with --cpu) it runs the memory and accuracy suites of the NumPy backend
-    against materialized NumPy at small N instead, whatever --suite says.
+    max. The launch suite reports host time per cached call beside torch SDPA's. Without a GPU (or
+    with --cpu) it runs the memory and accuracy suites of the NumPy backend against materialized
+    NumPy at small N instead, whatever --suite says.
     """
     from rich.console import Console
 
     from .report import document, make_meta, render, validate, write_json
-    from .suites import Runner, Settings
+    from .suites import Runner, Settings, total_steps
 
+    if plot_path:
+        require_matplotlib()
     if quick:
         repeats, warmup, cell_seconds = 10, min(warmup, 2), min(cell_seconds, 0.2)
     settings = Settings(suites=suites, dtype=dtype, causal=causal, batch=batch, heads=heads, head_dim=head_dim,
@@ -174,9 +180,9 @@ def bench(suites, dtype, causal, batch, heads, head_dim, seqlens, backends, json
     if not gpu_ok:  # one line, then the CPU suites
         click.echo(f"--cpu: {CPU_WHAT}" if force_cpu else f"no CUDA GPU visible ({why}): {CPU_WHAT}")
 
-    runner = Runner(settings)
-    with _progress(runner, settings, platform) as _:
-        result = runner.run_gpu() if gpu_ok else runner.run_cpu()
+    with ProgressBar(console, total_steps(settings, platform)) as bar:
+        runner = Runner(settings, advance=bar.advance)
+        result = runner.run(platform)
 
     meta = make_meta(settings.options(), platform, None if gpu_ok else why, notes=runner.notes)
     doc = document(meta, result)
@@ -198,47 +204,43 @@ def bench(suites, dtype, causal, batch, heads, head_dim, seqlens, backends, json
         raise click.ClickException(f"suite(s) {', '.join(errors)} failed: see 'reason' in the output")
 
 
-class _progress:
-    """A rich progress bar over the sweep on a terminal; one line per suite elsewhere."""
+def require_matplotlib() -> None:
+    """--plot needs matplotlib (the bench extra): say so before anything runs."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise click.ClickException('--plot needs matplotlib, which the bench extra installs: '
+                                   'pip install "cuflash[bench]"') from None
 
-    def __init__(self, runner, settings, platform):
-        from .suites import cell_count, suite_params
 
-        self.runner = runner
-        names = [n for n in SUITES if n in settings.suites] if platform == "gpu" else ["memory", "accuracy"]
-        n_impls = len(settings.backends) if platform == "gpu" else 2
-        self.totals = {n: cell_count(n, suite_params(n, settings, platform), n_impls) for n in names}
-        self.progress = None
-        self.tasks = {}
-        self.seen: set[str] = set()
+class ProgressBar:
+    """A rich progress bar (what runs now, steps done, time elapsed and left) where the console is a
+    terminal; nothing at all otherwise. `advance(what, text)` is called as each step starts."""
+
+    def __init__(self, console, total: int):
+        self.bar = None
+        self.done = 0
+        if console.is_terminal and total > 0:
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
+
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(), console=console,
+                                transient=True)
+            self.task = self.bar.add_task("starting", total=total)
+
+    def advance(self, what: str, text: str, completed: int | None = None) -> None:
+        if self.bar is not None:
+            done = self.done if completed is None else completed
+            self.bar.update(self.task, completed=done, description=f"{what}: {text}"[:70])
+            self.done = done + 1
 
     def __enter__(self):
-        from rich.console import Console
-
-        err = Console(stderr=True)
-        if err.is_terminal:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.progress = Progress(TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(),
-                                     TimeElapsedColumn(), console=err, transient=True)
-            self.progress.start()
-            self.tasks = {n: self.progress.add_task(n, total=t) for n, t in self.totals.items()}
-            self.runner.advance = self._advance_bar
-        else:
-            self.runner.advance = self._advance_line
+        if self.bar is not None:
+            self.bar.start()
         return self
 
-    def _advance_bar(self, suite, text):
-        task = self.tasks.get(suite)
-        if task is not None:
-            self.progress.update(task, advance=1, description=text[:40])
-
-    def _advance_line(self, suite, text):
-        if suite not in self.seen:
-            self.seen.add(suite)
-            click.echo(f"[bench] {suite}: {self.totals.get(suite, '?')} steps", err=True)
-
     def __exit__(self, *exc):
-        if self.progress is not None:
-            self.progress.stop()
+        if self.bar is not None:
+            self.bar.stop()
         return False

@@ -8,7 +8,6 @@ CPU: tracemalloc (NumPy reports its data buffers to it).
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import tracemalloc
 from typing import Callable
@@ -98,30 +97,6 @@ def torch_peak(fn: Callable[[], object]) -> int:
     return int(peak)
 
 
-@contextlib.contextmanager
-def tracing():
-    """tracemalloc on for the block (left as it was found afterwards)."""
-    was = tracemalloc.is_tracing()
-    if not was:
-        tracemalloc.start()
-    try:
-        yield
-    finally:
-        if not was:
-            tracemalloc.stop()
-
-
-def host_peak(fn: Callable[[], object]) -> int:
-    """Peak traced bytes during fn() above those live before it (call inside `tracing()`)."""
-    gc.collect()
-    tracemalloc.reset_peak()
-    base = tracemalloc.get_traced_memory()[0]
-    out = fn()
-    peak = tracemalloc.get_traced_memory()[1] - base
-    del out
-    return int(peak)
-
-
 def free_gpu_caches() -> None:
     """Return cached blocks of CuPy's pool and torch's allocator, so one does not starve the other."""
     gc.collect()
@@ -142,3 +117,28 @@ def free_gpu_caches() -> None:
                 torch.cuda.empty_cache()
     except Exception:
         pass
+
+
+def measure_peak(allocator: str, fn: Callable[[], object]) -> dict:
+    """Row fields for the peak of one call: peak_bytes and which allocator saw it ("host", "torch", "cupy")."""
+    if allocator == "host":  # tracemalloc, left on or off as it was found
+        was = tracemalloc.is_tracing()
+        if not was:
+            tracemalloc.start()
+        try:
+            gc.collect()
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+            fn()
+            peak = tracemalloc.get_traced_memory()[1] - base
+        finally:
+            if not was:
+                tracemalloc.stop()
+        return {"peak_bytes": int(peak), "allocator": "tracemalloc"}
+    fn()  # warm: compile, library handles and workspaces stay out of the peak
+    free_gpu_caches()
+    if allocator == "torch":
+        return {"peak_bytes": torch_peak(fn), "allocator": "torch"}
+    cpeak, tpeak = gpu_peak(fn)
+    return {"peak_bytes": cpeak + tpeak, "allocator": "cupy+torch" if tpeak else "cupy", "cupy_peak_bytes": cpeak,
+            "torch_peak_bytes": tpeak}

@@ -1,4 +1,7 @@
-"""Results of `cuflash bench`: the JSON document, its validator, ratio columns, and tables.
+"""Results of `cuflash bench`: the JSON document, its validator, ratio columns, and every table.
+
+Tables are built once (`tables`) and printed to the console (`render`, rich) or as Markdown for
+bench/RESULTS.md and the README (`markdown`; `python3 -m cuflash.benchmark.report FILE.json`).
 
 JSON schema ("cuflash-bench/1")
 ===============================
@@ -38,7 +41,8 @@ suites[name] (name in seqlen, headdim, memory, launch, accuracy, energy)::
                      multiplies: cupy.matmul, or torch.matmul where CuPy has no bf16 matmul);
                      memory: "ratio_by_n" {mode: [{"seqlen", "ratio"}]}, "loglog_slope" {mode: float|null},
                      "ratio_growth" {mode: float|null}, "ratio_of";  accuracy: "matmul" {dtype: note},
-                     "atol" {dtype: float};  energy: "idle_w" float|null;  "error" suites: "traceback".
+                     "atol" {dtype: float};  energy: "idle_w" float|null;  launch: "host_timing" str;
+                     "error" suites: "traceback".
 
 Every row has these keys (values null where they do not apply)::
 
@@ -46,7 +50,12 @@ Every row has these keys (values null where they do not apply)::
     dtype            "bfloat16" | "float16" | "float32" | "float64"
     causal           bool
     implementation   "cuflash", "conventional", "torch-flash", "torch-efficient", "torch-cudnn",
-                     "torch-math", "cuflash-graph" (launch), "cuflash-numpy", "materialized-numpy" (cpu)
+                     "torch-math", "cuflash-cupy", "cuflash-torch", "cuflash-graph" (launch),
+                     "cuflash-numpy", "materialized-numpy" (cpu)
+    family           the kernel family that ran (written on every row; absent from files before it):
+                     "mma" (cuflash fp16/bf16, tensor-core mma.sync), "simt" (cuflash fp32/fp64),
+                     "numpy" (the NumPy backend), "conventional" (materialized baselines), or the
+                     torch SDPA backend: "torch-flash", "torch-efficient", "cudnn", "torch-math"
     mode             "fwd" | "bwd" | "fwd_bwd"
     status           "ok" | "unavailable" | "OOM" | "skipped" | "error"
     reason           str | null   why not ok
@@ -64,10 +73,15 @@ Row keys by suite (on status "ok" rows):
                      cupy_peak_bytes and torch_peak_bytes, "torch", "tracemalloc" on the CPU); a cuflash
                      row has "mem_ratio_vs_<impl>" = peak(impl) / peak(cuflash); other rows
                      "mem_ratio_to_cuflash".
-    launch           ms_* = device time, host_ms_median / host_ms_min / host_ms_max = host enqueue
-                     time (no synchronization inside the timed region), n_runs, host_n_runs,
-                     host_over_device.
-                     "cuflash-graph" rows: one CUDA-graph replay of the same call.
+    launch           ms_* = device time per call, host_ms_median / host_ms_min / host_ms_max and
+                     host_us_median = host time per cached call (the stream synchronized before each
+                     call, none inside it), n_runs, host_n_runs, host_over_device, method (how).
+                     "cuflash-cupy" / "cuflash-torch": cuflash on CuPy arrays / torch tensors;
+                     "torch-flash" / "torch-cudnn": SDPA forward, and backward through the aten op
+                     with the saved forward outputs; "cuflash-graph": a CUDA-graph replay of the
+                     cuflash-cupy call. cuflash-cupy / cuflash-torch rows have
+                     "host_ratio_vs_<torch impl>" = host time of cuflash / host time of torch.
+                     params: dtype, causal, modes, shapes [{batch, nheads, seqlen, head_dim}], host_timing.
     accuracy         output ("o" | "dq" | "dk" | "dv"), max_abs_err (vs float64), and on cuflash rows
                      err_ratio_vs_conventional, within_rule (err <= 2 * err(conventional) + atol), atol.
                      Reproducibility rows: output "all", bitwise_reproducible (bool), repeats.
@@ -80,6 +94,7 @@ ms_min <= ms_median <= ms_max and n_runs >= 10. `validate(doc)` checks all of th
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
@@ -91,10 +106,10 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from ..config import DTYPES
+from ..config import DTYPES, TENSOR_CORE_DTYPES
+from . import SUITES
 
 SCHEMA = "cuflash-bench/1"
-SUITE_NAMES = ("seqlen", "headdim", "memory", "launch", "accuracy", "energy")
 META_KEYS = ("cuflash_version", "git_commit", "date_utc", "command", "options", "platform", "platform_reason",
              "gpu", "versions", "notes")
 SUITE_KEYS = ("platform", "status", "reason", "seconds", "params", "rows")
@@ -112,54 +127,73 @@ TIMING_SUITES = ("seqlen", "headdim", "launch")
 # ------------------------------------------------------------------------------------------------
 
 
+# Kernel family of every implementation but cuflash's GPU ones, whose family depends on the dtype.
+FAMILY = {"cuflash-numpy": "numpy", "conventional": "conventional", "materialized-numpy": "conventional",
+          "torch-flash": "torch-flash", "torch-efficient": "torch-efficient", "torch-cudnn": "cudnn",
+          "torch-math": "torch-math"}
+
+
+def family(implementation: str, dtype: str) -> str:
+    """The kernel family that runs: cuflash's tensor-core (mma.sync) kernels for 16-bit dtypes, its SIMT
+    kernels otherwise; FAMILY for the others."""
+    if implementation in FAMILY:
+        return FAMILY[implementation]
+    if implementation.startswith("cuflash"):
+        return "mma" if dtype in TENSOR_CORE_DTYPES else "simt"
+    return implementation
+
+
 def make_row(shape: dict, dtype: str, causal: bool, implementation: str, mode: str, *, status: str = "ok",
              reason: str | None = None, **extra) -> dict:
     row = {"shape": dict(shape), "dtype": dtype, "causal": bool(causal), "implementation": implementation,
+           "family": extra.pop("family", None) or family(implementation, dtype),
            "mode": mode, "status": status, "reason": reason,
            "ms_median": None, "ms_min": None, "ms_max": None, "tflops": None}
     row.update(extra)
     return row
 
 
-def _group_key(row: dict) -> tuple:
-    return (tuple(row["shape"][k] for k in SHAPE_KEYS), row["dtype"], row["causal"], row["mode"],
-            row.get("output"))
-
-
-def add_speedups(rows: list[dict], ref: str = "cuflash", key: str = "ms_median") -> None:
-    """Ratio columns: ref rows get speedup_vs_<impl> = impl / ref; other rows get cuflash_speedup."""
+def _groups(rows: list[dict]) -> list[list[dict]]:
+    """Rows of the same shape, dtype, causal, mode (and accuracy output)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
-        groups[_group_key(r)].append(r)
-    for members in groups.values():
+        groups[(tuple(r["shape"][k] for k in SHAPE_KEYS), r["dtype"], r["causal"], r["mode"],
+                r.get("output"))].append(r)
+    return list(groups.values())
+
+
+def _add_ratios(rows: list[dict], ref: str, key: str, ref_prefix: str, other_key: str) -> None:
+    """Per group, the ref row gets <ref_prefix><impl> = row[key] of impl / row[key] of ref; the other
+    rows get the same number as <other_key>."""
+    for members in _groups(rows):
         base = [r for r in members if r["implementation"] == ref and r["status"] == "ok" and r.get(key)]
-        if not base:
-            continue
-        b = base[0]
-        for r in members:
-            if r is b or r["status"] != "ok" or not r.get(key):
-                continue
-            ratio = r[key] / b[key]
-            b[f"speedup_vs_{r['implementation']}"] = ratio
-            r["cuflash_speedup"] = ratio
+        for r in members if base else []:
+            if r is not base[0] and r["status"] == "ok" and r.get(key) is not None:
+                ratio = r[key] / base[0][key]
+                base[0][ref_prefix + r["implementation"]] = ratio
+                r[other_key] = ratio
+
+
+def add_speedups(rows: list[dict], ref: str = "cuflash") -> None:
+    """ref rows get speedup_vs_<impl> = ms(impl) / ms(ref); other rows cuflash_speedup."""
+    _add_ratios(rows, ref, "ms_median", "speedup_vs_", "cuflash_speedup")
 
 
 def add_memory_ratios(rows: list[dict], ref: str = "cuflash") -> None:
     """ref rows get mem_ratio_vs_<impl> = peak(impl) / peak(ref); other rows mem_ratio_to_cuflash."""
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in rows:
-        groups[_group_key(r)].append(r)
-    for members in groups.values():
-        base = [r for r in members if r["implementation"] == ref and r["status"] == "ok" and r.get("peak_bytes")]
-        if not base:
-            continue
-        b = base[0]
-        for r in members:
-            if r is b or r["status"] != "ok" or r.get("peak_bytes") is None:
-                continue
-            ratio = r["peak_bytes"] / b["peak_bytes"]
-            b[f"mem_ratio_vs_{r['implementation']}"] = ratio
-            r["mem_ratio_to_cuflash"] = ratio
+    _add_ratios(rows, ref, "peak_bytes", "mem_ratio_vs_", "mem_ratio_to_cuflash")
+
+
+def add_host_ratios(rows: list[dict]) -> None:
+    """Launch suite: cuflash-cupy and cuflash-torch rows get host_ratio_vs_<torch impl> = their host time
+    per call over torch's (below 1: cuflash's call path costs the host less)."""
+    for members in _groups(rows):
+        ok = [r for r in members if r["status"] == "ok" and r.get("host_us_median")]
+        for r in ok:
+            if r["implementation"] in ("cuflash-cupy", "cuflash-torch"):
+                for t in ok:
+                    if t["implementation"].startswith("torch-"):
+                        r[f"host_ratio_vs_{t['implementation']}"] = r["host_us_median"] / t["host_us_median"]
 
 
 def loglog_slope(xs, ys) -> float | None:
@@ -242,7 +276,7 @@ def validate(doc) -> list[str]:
         return errs + ["suites missing or not an object"]
     for name, suite in suites.items():
         where = f"suites.{name}"
-        if name not in SUITE_NAMES:
+        if name not in SUITES:
             errs.append(f"{where}: unknown suite")
         if not isinstance(suite, dict):
             errs.append(f"{where} is not an object")
@@ -274,6 +308,8 @@ def _validate_row(suite: str, where: str, row) -> list[str]:
         errs.append(f"{where}.causal must be a bool")
     if not isinstance(row["implementation"], str) or not row["implementation"]:
         errs.append(f"{where}.implementation must be a non-empty string")
+    if "family" in row and (not isinstance(row["family"], str) or not row["family"]):
+        errs.append(f"{where}.family must be a non-empty string")
     if row["mode"] not in MODES:
         errs.append(f"{where}.mode {row['mode']!r} not in {MODES}")
     if row["status"] not in ROW_STATUS:
@@ -309,7 +345,7 @@ def _validate_row(suite: str, where: str, row) -> list[str]:
             if not _num(row.get(k)):
                 errs.append(f"{where}.{k} must be a number")
     for k, v in row.items():
-        if k.startswith(("speedup_vs_", "mem_ratio_vs_")) and not _num(v):
+        if k.startswith(("speedup_vs_", "mem_ratio_vs_", "host_ratio_vs_")) and not _num(v):
             errs.append(f"{where}.{k} must be a finite number")
     return errs
 
@@ -430,8 +466,17 @@ def write_json(doc: dict, path: str | os.PathLike) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Tables
+# Tables: built once, printed by rich (console) or as Markdown (RESULTS.md, README)
 # ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Table:
+    title: str
+    header: list[str]
+    rows: list[list[str]] = dataclasses.field(default_factory=list)
+    caption: str = ""
+    text_cols: int = 1  # leading columns of text (left-aligned); the others hold numbers
 
 
 def _fmt(x, spec: str = ".3g") -> str:
@@ -453,160 +498,210 @@ def _bytes(x) -> str:
     return f"{x} B"
 
 
-def _note(r: dict) -> str:
-    if r["status"] == "ok":
-        return ""
-    why = r.get("reason") or ""
-    return f"{r['status']}: {why[:70]}" if r["status"] != "OOM" else "OOM"
+def _ok(r: dict | None) -> bool:
+    return r is not None and r["status"] == "ok"
 
 
-def _shape_str(s: dict) -> str:
-    return f"{s['batch']}x{s['nheads']}x{s['seqlen_q']}x{s['head_dim']}"
+def _status(r: dict | None) -> str:
+    return "" if r is None else r["status"]
 
 
-# (header, function of row -> str) per suite
-def _columns(suite: str, rows: list[dict]) -> list[tuple[str, object]]:
-    n = ("N", lambda r: str(r["shape"]["seqlen_q"]))
-    impl = ("impl", lambda r: r["implementation"])
-    mode = ("mode", lambda r: r["mode"])
-    note = ("note", _note)
-    if suite in ("seqlen", "headdim"):
-        first = [("d", lambda r: str(r["shape"]["head_dim"])), ("H", lambda r: str(r["shape"]["nheads"]))] \
-            if suite == "headdim" else [n]
-        return [mode, *first, impl, ("ms", lambda r: _fmt(r["ms_median"])),
-                ("min", lambda r: _fmt(r["ms_min"])), ("max", lambda r: _fmt(r["ms_max"])),
-                ("TFLOP/s", lambda r: _fmt(r["tflops"], ".1f")),
-                ("cuflash x", lambda r: _fmt(r.get("cuflash_speedup"), ".2f")), note]
-    if suite == "memory":
-        return [mode, n, impl, ("peak", lambda r: _bytes(r.get("peak_bytes"))),
-                ("ratio to cuflash", lambda r: _fmt(r.get("mem_ratio_to_cuflash"), ".1f")), note]
-    if suite == "launch":
-        return [mode, n, impl, ("device ms", lambda r: _fmt(r["ms_median"])),
-                ("host ms", lambda r: _fmt(r.get("host_ms_median"))),
-                ("host/device", lambda r: _fmt(r.get("host_over_device"), ".2f")), note]
-    if suite == "accuracy":
-        return [("dtype", lambda r: r["dtype"]), mode, n, impl, ("out", lambda r: str(r.get("output", ""))),
-                ("max abs err", lambda r: _fmt(r.get("max_abs_err"), ".2e") if "max_abs_err" in r
-                 else ("bitwise same" if r.get("bitwise_reproducible") else
-                       ("DIFFERS" if "bitwise_reproducible" in r else "-"))),
-                ("vs conventional", lambda r: _fmt(r.get("err_ratio_vs_conventional"), ".2f")),
-                ("rule", lambda r: _fmt(r.get("within_rule"))), note]
-    if suite == "energy":
-        return [mode, n, impl, ("ms/call", lambda r: _fmt(r.get("ms_per_call"))),
-                ("J/call", lambda r: _fmt(r.get("joules_per_call"))),
-                ("J/call above idle", lambda r: _fmt(r.get("joules_per_call_above_idle"))),
-                ("W above idle", lambda r: _fmt(r.get("avg_power_above_idle_w"), ".0f")), note]
-    return [mode, n, impl, note]
+def _family(r: dict) -> str:
+    return r.get("family") or family(r["implementation"], r["dtype"])
 
 
-def render(console, suites: dict) -> None:
-    """Tables per suite (pivoted for seqlen, headdim and accuracy), then the suite's summary lines."""
-    from rich.table import Table
-
-    for name, suite in suites.items():
-        rows = suite.get("rows", [])
-        title = f"{name} ({suite.get('platform')}, {suite.get('status')}, {suite.get('seconds', 0):.0f} s)"
-        if not rows:
-            console.print(f"[bold]{title}[/bold]: no rows" + (f" ({suite['reason']})" if suite.get("reason") else ""))
-            continue
-        shapes = sorted({_shape_str(r["shape"]) for r in rows})
-        caption = f"shapes (B x H x N x d): {', '.join(shapes[:6])}" + (" ..." if len(shapes) > 6 else "")
-        if name in ("seqlen", "headdim"):
-            tables = _speed_tables(Table, name, rows, title, caption)
-        elif name == "accuracy":
-            tables = _accuracy_tables(Table, rows, title, caption)
-        else:
-            table = Table(title=title, caption=caption)
-            cols = _columns(name, rows)
-            for header, _ in cols:
-                table.add_column(header, overflow="fold")
-            for r in rows:
-                table.add_row(*(f(r) for _, f in cols))
-            tables = [table]
-        for t in tables:
-            console.print(t)
-        for line in summary_lines(name, suite):
-            console.print(line)
+def _impls(rows: list[dict]) -> list[str]:
+    return list(dict.fromkeys(r["implementation"] for r in rows))
 
 
-def _speed_tables(Table, name: str, rows: list[dict], title: str, caption: str) -> list:
-    """One table per mode: a row per N (or head dim), a column per implementation.
+def _ours(impls: list[str]) -> str | None:
+    return next((i for i in impls if i.startswith("cuflash")), None)
 
-    cuflash shows ms and TFLOP/s; every other implementation shows its ms and, in brackets, how
-    many times faster cuflash is (its cuflash_speedup).
-    """
-    impls = list(dict.fromkeys(r["implementation"] for r in rows))
+
+def _head(rows: list[dict], impl: str) -> str:
+    """A column header naming an implementation and, where it says more, its kernel family."""
+    fam = next((_family(r) for r in rows if r["implementation"] == impl), impl)
+    return impl if fam == impl else f"{impl} ({fam})"
+
+
+def _shape(r: dict) -> tuple:
+    s = r["shape"]
+    return s["batch"], s["nheads"], s["seqlen_q"], s["head_dim"]
+
+
+def _caption(rows: list[dict]) -> str:
+    shapes = sorted({_shape(r) for r in rows})  # numerically: N=512 before N=1024
+    text = ", ".join("x".join(map(str, s)) for s in shapes[:6]) + (" ..." if len(shapes) > 6 else "")
+    return f"shapes (B x H x N x d): {text}"
+
+
+def _cells(rows: list[dict], key) -> dict[tuple, dict[str, dict]]:
+    out: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for r in rows:
+        out[key(r)][r["implementation"]] = r
+    return out
+
+
+def _speed_tables(name: str, rows: list[dict], title: str, caption: str) -> list[Table]:
+    """Per mode: a row per N (or head dim); cuflash's ms and TFLOP/s, each other implementation's
+    TFLOP/s and, in brackets, its time over cuflash's (above 1: cuflash is faster)."""
+    impls = _impls(rows)
+    ours = _ours(impls)
+    keys = ["d", "H"] if name == "headdim" else ["N"]
     key = (lambda r: (r["shape"]["head_dim"], r["shape"]["nheads"])) if name == "headdim" else \
         (lambda r: (r["shape"]["seqlen_q"],))
-    tables = []
+    out = []
     for mode in [m for m in MODES if any(r["mode"] == m for r in rows)]:
-        t = Table(title=f"{title}: {mode}, ms per call (cuflash speedup)", caption=caption)
-        for h in (["d", "H"] if name == "headdim" else ["N"]):
-            t.add_column(h, justify="right")
-        for impl in impls:
-            t.add_column(impl + (" ms | TFLOP/s" if impl == "cuflash" else ""), justify="right", overflow="fold")
-        cells: dict[tuple, dict] = defaultdict(dict)
-        for r in rows:
-            if r["mode"] == mode:
-                cells[key(r)][r["implementation"]] = r
+        sub = [r for r in rows if r["mode"] == mode]
+        header = keys + ([f"{_head(sub, ours)} ms", f"{_head(sub, ours)} TFLOP/s"] if ours else [])
+        header += [f"{_head(sub, i)} TFLOP/s (cuflash x)" for i in impls if i != ours]
+        t = Table(f"{title}: {mode}", header, text_cols=0,
+                  caption=f"{caption}; (cuflash x) = its time over cuflash's, above 1: cuflash is faster")
+        cells = _cells(sub, key)
         for k in sorted(cells):
-            out = [str(x) for x in k]
-            for impl in impls:
-                r = cells[k].get(impl)
-                if r is None:
-                    out.append("")
-                elif r["status"] != "ok":
-                    out.append(r["status"])
-                elif impl == "cuflash":
-                    out.append(f"{_fmt(r['ms_median'])} | {_fmt(r['tflops'], '.0f')}")
-                else:
-                    out.append(f"{_fmt(r['ms_median'])} ({_fmt(r.get('cuflash_speedup'), '.2f')}x)")
-            t.add_row(*out)
-        tables.append(t)
-    bad = [r for r in rows if r["status"] not in ("ok", "skipped")]
-    reasons = list(dict.fromkeys(f"{r['implementation']}: {r['status']}: {r['reason']}" for r in bad))
-    if reasons:
-        t = Table(title=f"{name}: not run", show_header=False)
-        t.add_column("why", overflow="fold")
-        for x in reasons[:12]:
-            t.add_row(x[:200])
-        tables.append(t)
-    return tables
+            line = [str(x) for x in k]
+            if ours:
+                r = cells[k].get(ours)
+                line += [_fmt(r["ms_median"], ".3f"), _fmt(r["tflops"], ".0f")] if _ok(r) else [_status(r), ""]
+            for i in impls:
+                r = cells[k].get(i)
+                if i != ours:
+                    x = r and r.get("cuflash_speedup")
+                    line.append(_status(r) if not _ok(r) else _fmt(r["tflops"], ".0f") + (f" ({x:.2f}x)" if x else ""))
+            t.rows.append(line)
+        out.append(t)
+    return out
 
 
-def _accuracy_tables(Table, rows: list[dict], title: str, caption: str) -> list:
-    """max abs error against float64 per (dtype, N, output): cuflash vs the materialized baseline."""
+def _memory_tables(rows: list[dict], title: str, caption: str) -> list[Table]:
+    """Peak bytes above the inputs per (mode, N); other implementations also as a multiple of cuflash's."""
+    impls = _impls(rows)
+    ours = _ours(impls)
+    header = ["mode", "N"] + [f"{_head(rows, i)} peak" + ("" if i == ours else " (x cuflash)") for i in impls]
+    t = Table(f"{title}: peak memory above the inputs", header, caption=caption)
+    cells = _cells(rows, lambda r: (MODES.index(r["mode"]), r["shape"]["seqlen_q"]))
+    for k in sorted(cells):
+        line = [MODES[k[0]], str(k[1])]
+        for i in impls:
+            r = cells[k].get(i)
+            x = r and r.get("mem_ratio_to_cuflash")
+            line.append(_status(r) if not _ok(r) else _bytes(r["peak_bytes"]) + (f" ({x:.1f}x)" if x else ""))
+        t.rows.append(line)
+    return [t]
+
+
+OUTPUTS = ("o", "dq", "dk", "dv")
+
+
+def _accuracy_tables(rows: list[dict], title: str, caption: str) -> list[Table]:
+    """max abs error against float64 per (dtype, output, N): cuflash against the materialized baseline."""
     errs = [r for r in rows if r.get("output") != "all"]
-    impls = list(dict.fromkeys(r["implementation"] for r in errs))
-    ours = impls[0] if impls else "cuflash"
-    t = Table(title=f"{title}: max abs error vs float64", caption=caption)
-    for h in ("dtype", "N", "out", *impls, "ratio", "rule"):
-        t.add_column(h, justify="right")
-    cells: dict[tuple, dict] = defaultdict(dict)
-    for r in errs:
-        cells[(DTYPES.index(r["dtype"]), r["shape"]["seqlen_q"], r["output"])][r["implementation"]] = r
-    order = {"o": 0, "dq": 1, "dk": 2, "dv": 3}
-    for k in sorted(cells, key=lambda k: (k[0], k[1], order.get(k[2], 9))):
+    impls = _impls(errs)
+    ours = _ours(impls)
+    t = Table(f"{title}: max abs error vs float64", ["dtype", "family", "out", "N", *impls, "ratio", "within rule"],
+              caption=caption, text_cols=3)
+    cells = _cells(errs, lambda r: (DTYPES.index(r["dtype"]), r["shape"]["seqlen_q"], OUTPUTS.index(r["output"])))
+    for k in sorted(cells):
         members = cells[k]
-        out = [DTYPES[k[0]], str(k[1]), k[2]]
-        for impl in impls:
-            r = members.get(impl)
-            out.append("" if r is None else (_fmt(r.get("max_abs_err"), ".2e") if r["status"] == "ok" else r["status"]))
-        r = members.get(ours, {})
-        out += [_fmt(r.get("err_ratio_vs_conventional"), ".2f"), _fmt(r.get("within_rule"))]
-        t.add_row(*out)
-    tables = [t]
+        line = [DTYPES[k[0]], family(ours or "cuflash", DTYPES[k[0]]), OUTPUTS[k[2]], str(k[1])]
+        for i in impls:
+            r = members.get(i)
+            line.append(_fmt(r.get("max_abs_err"), ".2e") if _ok(r) else _status(r))
+        r = members.get(ours) or {}
+        line += [_fmt(r.get("err_ratio_vs_conventional"), ".2f"), _fmt(r.get("within_rule"))]
+        t.rows.append(line)
+    out = [t]
     rep = [r for r in rows if r.get("output") == "all"]
     if rep:
-        t2 = Table(title="bitwise reproducibility over repeated calls")
-        for h in ("dtype", "N", "impl", "mode", "result"):
-            t2.add_column(h)
+        t2 = Table("bitwise reproducibility over repeated calls", ["dtype", "N", "impl", "mode", "result"],
+                   text_cols=5)
         for r in rep:
             res = (("identical" if r["bitwise_reproducible"] else "DIFFERS") + f" over {r.get('repeats')} calls") \
-                if r["status"] == "ok" else f"{r['status']}: {(r['reason'] or '')[:60]}"
-            t2.add_row(r["dtype"], str(r["shape"]["seqlen_q"]), r["implementation"], r["mode"], res)
-        tables.append(t2)
-    return tables
+                if _ok(r) else f"{r['status']}: {(r['reason'] or '')[:60]}"
+            t2.rows.append([r["dtype"], str(r["shape"]["seqlen_q"]), r["implementation"], r["mode"], res])
+        out.append(t2)
+    return out
+
+
+def _host_us(r: dict) -> float | None:
+    return r.get("host_us_median") or (r["host_ms_median"] * 1e3 if r.get("host_ms_median") else None)
+
+
+def _launch_tables(rows: list[dict], title: str, caption: str, how: str) -> list[Table]:
+    """Host time per cached call side by side, cuflash-torch over each torch SDPA backend, then device time."""
+    impls = _impls(rows)
+    torch_impls = [i for i in impls if i.startswith("torch-")] if "cuflash-torch" in impls else []
+    cells = _cells(rows, lambda r: (_shape(r), MODES.index(r["mode"])))
+    out = []
+    for what, cell in (("host us per cached call", lambda r: _fmt(_host_us(r), ".1f")),
+                       ("device ms per call", lambda r: _fmt(r["ms_median"], ".4f"))):
+        ratios = torch_impls if what.startswith("host") else []
+        header = ["B x H x N x d", "mode", *(_head(rows, i) for i in impls), *(f"cuflash-torch / {i}" for i in ratios)]
+        t = Table(f"{title}: {what}", header, caption=f"{caption}. {how}" if how else caption, text_cols=2)
+        for k in sorted(cells):
+            line = ["x".join(map(str, k[0])), MODES[k[1]]]
+            line += [cell(cells[k][i]) if _ok(cells[k].get(i)) else _status(cells[k].get(i)) for i in impls]
+            ct = cells[k].get("cuflash-torch") or {}
+            line += [_fmt(ct.get(f"host_ratio_vs_{i}"), ".2f") for i in ratios]
+            t.rows.append(line)
+        out.append(t)
+    return out
+
+
+def _energy_tables(rows: list[dict], title: str, caption: str) -> list[Table]:
+    t = Table(f"{title}: energy per call", ["mode", "impl", "ms / call", "J / call", "J / call above idle",
+                                            "W above idle"], caption=caption, text_cols=2)
+    for r in rows:
+        line = [r["mode"], _head([r], r["implementation"])]
+        if _ok(r):
+            line += [_fmt(r.get("ms_per_call")), _fmt(r.get("joules_per_call"), ".2f"),
+                     _fmt(r.get("joules_per_call_above_idle"), ".2f"), _fmt(r.get("avg_power_above_idle_w"), ".0f")]
+        else:
+            line += [r["status"], "", "", ""]
+        t.rows.append(line)
+    return [t]
+
+
+def _not_run_table(name: str, rows: list[dict]) -> list[Table]:
+    bad = [r for r in rows if r["status"] not in ("ok", "skipped")]
+    reasons = list(dict.fromkeys(f"{r['implementation']}: {r['status']}: {r['reason']}" for r in bad))
+    return [Table(f"{name}: not run", ["why"], [[x[:200]] for x in reasons[:12]])] if reasons else []
+
+
+def tables(name: str, suite: dict) -> list[Table]:
+    """Every table of one suite."""
+    rows = suite.get("rows", [])
+    if not rows:
+        return []
+    title = f"{name} ({suite.get('platform')}, {suite.get('status')}, {suite.get('seconds', 0):.0f} s)"
+    caption = _caption(rows)
+    if name in ("seqlen", "headdim"):
+        out = _speed_tables(name, rows, title, caption)
+    elif name == "memory":
+        out = _memory_tables(rows, title, caption)
+    elif name == "accuracy":
+        out = _accuracy_tables(rows, title, caption)
+    elif name == "launch":
+        out = _launch_tables(rows, title, caption, suite.get("host_timing") or "")
+    else:
+        out = _energy_tables(rows, title, caption)
+    return out + _not_run_table(name, rows)
+
+
+def headline(suites: dict) -> Table | None:
+    """TFLOP/s against N of every implementation, forward and forward + backward (the README's table)."""
+    rows = [r for r in suites.get("seqlen", {}).get("rows", []) if r["mode"] in ("fwd", "fwd_bwd")]
+    if not rows:
+        return None
+    impls = _impls(rows)
+    pairs = [(m, i) for m in ("fwd", "fwd_bwd") for i in impls]
+    t = Table("TFLOP/s", ["N", *(f"{_head(rows, i)} {m.replace('_', '+')}" for m, i in pairs)],
+              caption=_caption(rows), text_cols=0)
+    cells = _cells(rows, lambda r: (r["shape"]["seqlen_q"], r["mode"]))
+    for n in sorted({r["shape"]["seqlen_q"] for r in rows}):
+        t.rows.append([str(n)] + [_fmt(r["tflops"], ".0f") if _ok(r := cells[(n, m)].get(i)) else _status(r)
+                                  for m, i in pairs])
+    return t
 
 
 def summary_lines(name: str, suite: dict) -> list[str]:
@@ -619,6 +714,62 @@ def summary_lines(name: str, suite: dict) -> list[str]:
                        f"log-log slope {_fmt(slope, '.2f')} (0 would be a constant ratio)")
     if name == "energy" and suite.get("idle_w") is not None:
         out.append(f"energy: idle power {suite['idle_w']:.0f} W subtracted")
-    if suite.get("notes"):
-        out += [f"{name}: {n}" for n in suite["notes"]]
     return out
+
+
+def to_rich(t: Table):
+    from rich.table import Table as RichTable
+    from rich.text import Text
+
+    rt = RichTable(title=Text(t.title, style="italic"), caption=Text(t.caption) if t.caption else None)
+    for i, h in enumerate(t.header):
+        rt.add_column(Text(h), justify="left" if i < t.text_cols else "right", overflow="fold")
+    for line in t.rows:
+        rt.add_row(*(Text(c) for c in line))
+    return rt
+
+
+def to_markdown(t: Table) -> str:
+    def cells(xs):
+        return "| " + " | ".join(x.replace("|", "\\|") for x in xs) + " |"
+
+    align = "|" + "".join("---|" if i < t.text_cols else "---:|" for i in range(len(t.header)))
+    lines = [f"#### {t.title}", "", cells(t.header), align, *(cells(r) for r in t.rows)]
+    return "\n".join(lines + (["", t.caption] if t.caption else []))
+
+
+def render(console, suites: dict) -> None:
+    """Every suite's tables, then its summary lines."""
+    for name, suite in suites.items():
+        ts = tables(name, suite)
+        if not ts:
+            console.print(f"{name} ({suite.get('platform')}, {suite.get('status')}): no rows"
+                          + (f" ({suite['reason']})" if suite.get("reason") else ""), markup=False)
+        for t in ts:
+            console.print(to_rich(t))
+        for line in summary_lines(name, suite):
+            console.print(line, markup=False)
+
+
+def markdown(suites: dict) -> str:
+    """The headline table and every suite's tables and summary lines, as Markdown."""
+    top = headline(suites)
+    parts = [to_markdown(top)] if top else []
+    for name, suite in suites.items():
+        parts += [to_markdown(t) for t in tables(name, suite)]
+        parts += summary_lines(name, suite)
+    return "\n\n".join(parts) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python3 -m cuflash.benchmark.report RESULTS.json > tables.md"""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        raise SystemExit("usage: python3 -m cuflash.benchmark.report RESULTS.json")
+    doc = json.loads(Path(args[0]).read_text())
+    check(doc)
+    sys.stdout.write(markdown(doc["suites"]))
+
+
+if __name__ == "__main__":
+    main()

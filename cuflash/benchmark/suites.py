@@ -1,14 +1,17 @@
 """What each suite runs, on a GPU and (memory, accuracy) on the CPU.
 
-`suite_params` is pure: the sweep of each suite for the given options, GPU or CPU. `Runner` runs
-suites and returns their JSON objects (see report.py for the schema). Every cell that fails is a
-row with a status and a reason: one implementation's failure never stops the sweep.
+`suite_params` and `suite_cases` are pure: the sweep of each suite for the given options, GPU or
+CPU. `Runner` runs suites and returns their JSON objects (see report.py for the schema). Every cell
+that does not run is a row with a status and a reason: one implementation's failure never stops
+the sweep.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
+import os
 import time
 import traceback
 from typing import Callable
@@ -16,20 +19,35 @@ from typing import Callable
 from . import SUITES
 from .baselines import (
     ACCURACY_ATOL,
-    CPU_IMPLS,
     GPU_IMPLS,
     Case,
-    CuflashNumpy,
+    Conventional,
+    Cuflash,
     MaterializedNumpy,
+    TorchSDPA,
     Unavailable,
     cpu_inputs,
     gpu_impls,
     is_oom,
+    same_bits,
     short_reason,
+    upcast,
 )
-from .report import add_memory_ratios, add_speedups, make_row, memory_summary, suite_status
+from .report import (
+    add_host_ratios,
+    add_memory_ratios,
+    add_speedups,
+    make_row,
+    memory_summary,
+    suite_status,
+)
 
 ACCURACY_DTYPES = ("float32", "float16", "bfloat16")
+CPU_SUITES = ("memory", "accuracy")
+# launch: (batch, nheads, seqlen, head_dim) when no --seqlens / --batch / --heads is given
+LAUNCH_SHAPES = ((1, 8, 128, 64), (2, 8, 4096, 128), (4, 16, 8192, 128))
+OUTPUTS = {"o": "fwd", "dq": "bwd", "dk": "bwd", "dv": "bwd"}  # accuracy: each output and the call giving it
+SKIPPED = "the time budget (--max-suite-seconds / --max-seconds) ran out"
 
 
 @dataclasses.dataclass
@@ -66,8 +84,9 @@ def suite_params(name: str, s: Settings, platform: str) -> dict:
             return {**base, "dtype": s.dtype or "float32", "modes": ["fwd", "fwd_bwd"],
                     "seqlens": list(s.seqlens or ([128, 256, 512] if q else [128, 256, 512, 1024]))}
         if name == "accuracy":
-            return {**base, "dtypes": list(ACCURACY_DTYPES), "modes": ["fwd", "bwd"],
-                    "seqlens": list(s.seqlens or ([64, 128] if q else [128, 256, 512])), "repro_repeats": 3}
+            seqlens = list(s.seqlens or ([64, 128] if q else [128, 256, 512]))
+            return {**base, "dtypes": list(ACCURACY_DTYPES), "modes": ["fwd", "bwd"], "seqlens": seqlens,
+                    "repro_repeats": 3, "repro_seqlen": seqlens[-1]}
         raise ValueError(f"suite {name!r} does not run on the CPU")
     base = {"batch": s.batch or 2, "nheads": s.heads or 8, "head_dim": s.head_dim or 128,
             "dtype": s.dtype or "bfloat16", "causal": s.causal}
@@ -83,13 +102,22 @@ def suite_params(name: str, s: Settings, platform: str) -> dict:
         return {**base, "modes": ["fwd", "fwd_bwd"],
                 "seqlens": list(s.seqlens or ([512, 1024, 2048] if q else [1024, 2048, 4096, 8192, 16384]))}
     if name == "launch":
-        return {**base, "modes": ["fwd", "bwd"],
-                "seqlens": list(s.seqlens or ([128, 1024] if q else [128, 512, 2048, 8192]))}
+        from .timing import HOST_TIMING
+
+        default = LAUNCH_SHAPES[:2] if q else LAUNCH_SHAPES
+        if s.seqlens or s.batch or s.heads:
+            shapes = [(base["batch"], base["nheads"], n, base["head_dim"])
+                      for n in (s.seqlens or [n for _, _, n, _ in default])]
+        else:
+            shapes = [(b, h, n, s.head_dim or d) for b, h, n, d in default]
+        return {"dtype": base["dtype"], "causal": s.causal, "modes": ["fwd", "bwd"],
+                "shapes": [{"batch": b, "nheads": h, "seqlen": n, "head_dim": d} for b, h, n, d in shapes],
+                "host_timing": HOST_TIMING}
     if name == "accuracy":
+        seqlens = list(s.seqlens or ([256, 512] if q else [512, 1024, 2048, 4096, 8192]))
         return {"batch": s.batch or 1, "nheads": s.heads or 4, "head_dim": s.head_dim or 128, "causal": s.causal,
-                "dtypes": list(ACCURACY_DTYPES), "modes": ["fwd", "bwd"],
-                "seqlens": list(s.seqlens or ([256, 512] if q else [512, 1024, 2048, 4096, 8192])),
-                "repro_repeats": 3 if q else 5}
+                "dtypes": list(ACCURACY_DTYPES), "modes": ["fwd", "bwd"], "seqlens": seqlens,
+                "repro_repeats": 3 if q else 5, "repro_seqlen": seqlens[min(2, len(seqlens) - 1)]}
     if name == "energy":
         n = max(s.seqlens) if s.seqlens else (4096 if q else 16384)
         return {**base, "seqlen": n, "modes": ["fwd"] if q else ["fwd", "fwd_bwd"], "window_s": s.energy_window,
@@ -97,35 +125,99 @@ def suite_params(name: str, s: Settings, platform: str) -> dict:
     raise ValueError(f"unknown suite {name!r}")
 
 
+def suite_cases(name: str, p: dict) -> list[Case]:
+    """The shapes a suite runs, in order (accuracy: every dtype, then its reproducibility case)."""
+    if name == "headdim":
+        return [Case(p["batch"], h, p["seqlen"], p["seqlen"], d, p["dtype"], p["causal"])
+                for d, h in zip(p["head_dims"], p["nheads"])]
+    if name == "launch":
+        return [Case(x["batch"], x["nheads"], x["seqlen"], x["seqlen"], x["head_dim"], p["dtype"], p["causal"])
+                for x in p["shapes"]]
+    if name == "energy":
+        return [Case(p["batch"], p["nheads"], p["seqlen"], p["seqlen"], p["head_dim"], p["dtype"], p["causal"])]
+    if name == "accuracy":
+        return [Case(p["batch"], p["nheads"], n, n, p["head_dim"], dt, p["causal"])
+                for dt in p["dtypes"] for n in [*p["seqlens"], p["repro_seqlen"]]]
+    return [Case(p["batch"], p["nheads"], n, n, p["head_dim"], p["dtype"], p["causal"]) for n in p["seqlens"]]
+
+
 def cell_count(name: str, p: dict, n_impls: int) -> int:
     """Progress-bar steps of a suite."""
-    if name == "headdim":
-        return len(p["head_dims"]) * n_impls
+    cases = len(suite_cases(name, p))
     if name == "energy":
         return len(p["modes"]) * n_impls
     if name == "accuracy":
-        return len(p["dtypes"]) * (len(p["seqlens"]) + 1)
+        return cases
     if name == "launch":
-        return len(p["seqlens"]) * len(p["modes"])
-    return len(p["seqlens"]) * n_impls
+        return cases * len(p["modes"])
+    return cases * n_impls
+
+
+def kernel_configs(s: Settings, names: list[str]) -> list:
+    """Every cuflash kernel config the GPU suites `names` will launch, without duplicates (pure)."""
+    from .. import config
+
+    out = []
+    for name in names:
+        if "cuflash" not in s.backends and name not in ("accuracy", "launch"):
+            continue
+        p = suite_params(name, s, "gpu")
+        for c in suite_cases(name, p):
+            out.append(config.choose_forward(c.dtype, c.head_dim, c.causal))
+            if set(p["modes"]) - {"fwd"}:
+                out.extend(config.choose_backward(c.dtype, c.head_dim, c.causal))
+    return list(dict.fromkeys(out))
+
+
+def suite_names(s: Settings, platform: str) -> list[str]:
+    return [n for n in SUITES if n in s.suites] if platform == "gpu" else list(CPU_SUITES)
+
+
+def total_steps(s: Settings, platform: str) -> int:
+    """Progress-bar steps of a whole run: every suite's, and one per kernel config to precompile."""
+    names = suite_names(s, platform)
+    n_impls = len(s.backends) if platform == "gpu" else 2
+    steps = sum(cell_count(n, suite_params(n, s, platform), n_impls) for n in names)
+    return steps + (len(kernel_configs(s, names)) if platform == "gpu" else 0)
 
 
 class Budget:
     """A suite's wall-time cap, and the whole run's deadline (time.perf_counter() value)."""
 
     def __init__(self, seconds: float, deadline: float = float("inf")):
-        self.t0 = time.perf_counter()
-        self.end = min(self.t0 + seconds, deadline)
+        self.end = min(time.perf_counter() + seconds, deadline)
 
     def expired(self) -> bool:
         return time.perf_counter() > self.end
 
 
-SKIPPED = "the time budget (--max-suite-seconds / --max-seconds) ran out"
+def row(case: Case, impl: str, mode: str, **kw) -> dict:
+    return make_row(case.shape(), case.dtype, case.causal, impl, mode, **kw)
+
+
+def blocked(budget: Budget, available: tuple[bool, str] = (True, "")) -> dict | None:
+    """Status and reason of a cell that cannot run (implementation unavailable, time budget spent), else None."""
+    ok, why = available
+    if not ok:
+        return {"status": "unavailable", "reason": why}
+    if budget.expired():
+        return {"status": "skipped", "reason": SKIPPED}
+    return None
+
+
+def fail_row(case: Case, impl: str, mode: str, e: BaseException, **kw) -> dict:
+    """A cell that raised: OOM; unavailable (a torch backend refusing the case); else error."""
+    if is_oom(e):
+        status = "OOM"
+    elif isinstance(e, Unavailable) or impl.startswith("torch-"):
+        status = "unavailable"
+    else:
+        status = "error"
+    return row(case, impl, mode, status=status, reason=short_reason(e), **kw)
 
 
 class Runner:
-    """Runs suites; `advance(suite, text)` is called once per progress step."""
+    """Runs suites; `advance(suite, text)` is called as each progress step starts."""
 
     def __init__(self, settings: Settings, advance: Callable[[str, str], None] | None = None):
         self.s = settings
@@ -135,17 +227,39 @@ class Runner:
         self.nvml = None
         self.nvml_reason = ""
         self.deadline = time.perf_counter() + settings.max_seconds
+        self.platform = "gpu"
+        self.suite = ""
+
+    def run(self, platform: str) -> dict:
+        """{suite name: suite object} of every suite this platform runs."""
+        self.platform = platform
+        names = suite_names(self.s, platform)
+        if platform == "gpu":
+            if "energy" in names:
+                self._energy_setup()  # idle power first, before anything has warmed the GPU
+            self._precompile(names)
+        suites = {}
+        for name in names:
+            fn = self._speed if name in ("seqlen", "headdim") else getattr(self, "_" + name)
+            suites[name] = self._run_suite(name, fn)
+            self._free()
+        if self.nvml is not None:
+            self.nvml.close()
+        return suites
 
     # -------------------------------------------------------------------------------------------
     # shared helpers
 
-    def _run_suite(self, name: str, platform: str, fn) -> dict:
+    def step(self, text: str) -> None:
+        self.advance(self.suite, text)
+
+    def _run_suite(self, name: str, fn) -> dict:
         t0 = time.perf_counter()
-        params = suite_params(name, self.s, platform)
-        out = {"platform": platform, "status": "ok", "reason": None, "params": params, "rows": []}
+        self.suite = name
+        params = suite_params(name, self.s, self.platform)
+        out = {"platform": self.platform, "status": "ok", "reason": None, "params": params, "rows": []}
         try:
-            extra = fn(params, Budget(self.s.max_suite_seconds, self.deadline), out["rows"])
-            out.update(extra or {})
+            out.update(fn(params, Budget(self.s.max_suite_seconds, self.deadline), out["rows"]) or {})
             out["status"] = suite_status(out["rows"])
             if out["status"] == "skipped" and not out.get("reason"):
                 out["reason"] = "nothing ran"
@@ -156,70 +270,61 @@ class Runner:
         out["seconds"] = time.perf_counter() - t0
         return out
 
-    @staticmethod
-    def _free():
-        from .memory import free_gpu_caches
+    def _free(self) -> None:
+        if self.platform == "gpu":
+            from .memory import free_gpu_caches
 
-        free_gpu_caches()
-
-    def _fail_row(self, case: Case, impl: str, mode: str, e: BaseException, torch_impl: bool) -> dict:
-        if is_oom(e):
-            return make_row(case.shape(), case.dtype, case.causal, impl, mode, status="OOM",
-                            reason=short_reason(e))
-        status = "unavailable" if (torch_impl or isinstance(e, Unavailable)) else "error"
-        return make_row(case.shape(), case.dtype, case.causal, impl, mode, status=status, reason=short_reason(e))
-
-    # -------------------------------------------------------------------------------------------
-    # GPU
-
-    def run_gpu(self) -> dict:
-        from .memory import free_gpu_caches
-
-        suites = {}
-        order = [n for n in SUITES if n in self.s.suites]
-        if "energy" in order:
-            self._energy_setup()  # idle power first, before anything has warmed the GPU
-        self._precompile(order)
-        runners = {"seqlen": self._speed, "headdim": self._speed, "memory": self._memory_gpu,
-                   "launch": self._launch, "accuracy": self._accuracy_gpu, "energy": self._energy}
-        for name in order:
-            fn = runners[name]
-            suites[name] = self._run_suite(name, "gpu", lambda p, b, rows, fn=fn, name=name: fn(name, p, b, rows))
             free_gpu_caches()
-        if self.nvml is not None:
-            self.nvml.close()
-        return suites
+        else:
+            gc.collect()
 
-    def _precompile(self, order: list[str]) -> None:
-        """Compile every cuflash kernel config the suites will use, in parallel, before timing."""
-        if "cuflash" not in self.s.backends and "accuracy" not in order:
+    def _inputs(self, case: Case, n_sets: int = 1, seed: int | None = None) -> list:
+        seed = self.s.seed if seed is None else seed
+        if self.platform == "cpu":
+            return [cpu_inputs(case, seed)]
+        from .baselines import gpu_inputs
+
+        return gpu_inputs(case, n_sets, seed)
+
+    def _impls(self) -> list:
+        return gpu_impls(self.s.backends) if self.platform == "gpu" else [Cuflash("cuflash-numpy", backend="numpy"), MaterializedNumpy()]
+
+    def _timer(self) -> dict:
+        return dict(warmup=self.s.warmup, repeats=self.s.repeats, budget_s=self.s.cell_seconds)
+
+    def _cell(self, rows: list, budget: Budget, case: Case, impl, mode: str, measure: Callable[[], dict],
+              available: tuple[bool, str] | None = None) -> None:
+        """One row: why the cell did not run, what measure() returned (in impl's context), or how it failed."""
+        if nr := blocked(budget, impl.available() if available is None else available):
+            rows.append(row(case, impl.name, mode, **nr))
             return
         try:
-            import os
+            with impl.context():
+                rows.append(row(case, impl.name, mode, **measure()))
+        except Exception as e:
+            rows.append(fail_row(case, impl.name, mode, e))
+        self._free()
 
-            from .. import _compile, config
+    def _precompile(self, names: list[str]) -> None:
+        """Compile every cuflash kernel config the suites will use, in parallel, before timing."""
+        cfgs = kernel_configs(self.s, names)
+        if not cfgs:
+            return
+        self.suite = "precompile"
 
-            cfgs = []
-            for name in order:
-                p = suite_params(name, self.s, "gpu")
-                dtypes = p.get("dtypes") or [p["dtype"]]
-                dims = p.get("head_dims") or [p["head_dim"]]
-                for dt in dtypes:
-                    for d in dims:
-                        cfgs.append(config.choose_forward(dt, d, p["causal"]))
-                        if name != "headdim":
-                            cfgs.extend(config.choose_backward(dt, d, p["causal"]))
-            cfgs = list(dict.fromkeys(cfgs))
+        def done(cfg, k, n):
+            self.step(f"{k}/{n} kernel configs ({cfg.kernel} {cfg.dtype} d={cfg.head_dim})")
+
+        try:
+            from .. import _compile
+
             t0 = time.perf_counter()
             jobs = max(1, min(len(cfgs), os.cpu_count() or 1))
-            _compile.precompile(cfgs, jobs=jobs)
+            _compile.precompile(cfgs, jobs=jobs, progress=done)
             self.notes.append(f"precompiled {len(cfgs)} cuflash kernel configs in "
                               f"{time.perf_counter() - t0:.1f} s ({jobs} processes)")
         except Exception as e:
             self.notes.append(f"precompile failed, kernels compile at first call instead: {short_reason(e)}")
-
-    def _impls(self):
-        return gpu_impls(self.s.backends)
 
     def _l2_bytes(self) -> int:
         try:
@@ -229,145 +334,161 @@ class Runner:
         except Exception:
             return 60 * 2**20
 
-    def _speed(self, name: str, p: dict, budget: Budget, rows: list) -> dict:
-        """seqlen and headdim: device time per call, TFLOP/s, speedups."""
-        from .baselines import gpu_inputs
+    # -------------------------------------------------------------------------------------------
+    # suites
+
+    def _speed(self, p: dict, budget: Budget, rows: list) -> dict:
+        """seqlen and headdim (GPU): device time per call, TFLOP/s, speedups."""
         from .timing import clock, input_sets_for, tflops, time_device
 
-        if name == "seqlen":
-            cases = [Case(p["batch"], p["nheads"], n, n, p["head_dim"], p["dtype"], p["causal"]) for n in p["seqlens"]]
-        else:
-            cases = [Case(p["batch"], h, p["seqlen"], p["seqlen"], d, p["dtype"], p["causal"])
-                     for d, h in zip(p["head_dims"], p["nheads"])]
-        impls = self._impls()
-        notes = {}
-        l2 = self._l2_bytes()
-        for case in cases:
-            n_sets = input_sets_for(max(case.set_bytes(m) for m in p["modes"]), l2)
-            sets = None
+        impls, l2 = self._impls(), self._l2_bytes()
+        for case in suite_cases(self.suite, p):
+            sets = functools.cache(lambda: self._inputs(case, input_sets_for(
+                max(case.set_bytes(m) for m in p["modes"]), l2)))  # made at first use
             for impl in impls:
-                label = f"{name} N={case.seqlen_q} d={case.head_dim} {impl.name}"
-                ok, why = impl.available()
+                self.step(f"{case.label} {impl.name}")
                 for mode in p["modes"]:
-                    if budget.expired():
-                        rows.append(make_row(case.shape(), case.dtype, case.causal, impl.name, mode,
-                                             status="skipped", reason=SKIPPED))
-                        continue
-                    if not ok:
-                        rows.append(make_row(case.shape(), case.dtype, case.causal, impl.name, mode,
-                                             status="unavailable", reason=why))
-                        continue
-                    try:
-                        if sets is None:
-                            sets = gpu_inputs(case, n_sets, self.s.seed)
-                        with impl.context():
-                            calls = impl.calls(case, sets, mode)
-                            st = time_device(calls, clock(impl.clock), warmup=self.s.warmup, repeats=self.s.repeats,
-                                             budget_s=self.s.cell_seconds)
-                        del calls
+                    def measure():
+                        st = time_device(impl.calls(case, sets(), mode), clock(impl.clock), **self._timer())
                         fl = case.flops(mode)
-                        rows.append(make_row(case.shape(), case.dtype, case.causal, impl.name, mode, **st,
-                                             flops=fl, tflops=tflops(fl, st["ms_median"]), n_input_sets=len(sets)))
-                        if impl.notes:
-                            notes[impl.name] = impl.notes
-                    except Exception as e:
-                        calls = None
-                        rows.append(self._fail_row(case, impl.name, mode, e, impl.clock == "torch"))
-                self._free()
-                self.advance(name, label)
-            sets = None
-            self._free()
-        add_speedups(rows, "cuflash")
-        return {"impl_notes": notes}
+                        return {**st, "flops": fl, "tflops": tflops(fl, st["ms_median"]), "n_input_sets": len(sets())}
 
-    def _memory_gpu(self, name: str, p: dict, budget: Budget, rows: list) -> dict:
-        from .baselines import gpu_inputs
-        from .memory import gpu_peak, torch_peak
+                    self._cell(rows, budget, case, impl, mode, measure)
+            sets = None
+        add_speedups(rows, "cuflash")
+        ran = {r["implementation"] for r in rows if r["status"] == "ok"}
+        return {"impl_notes": {i.name: i.notes(p["dtype"]) for i in impls if i.name in ran and i.notes(p["dtype"])}}
+
+    def _memory(self, p: dict, budget: Budget, rows: list) -> dict:
+        """Peak memory of one call above its inputs, against N (GPU: allocator pools; CPU: tracemalloc)."""
+        from .memory import measure_peak
 
         impls = self._impls()
-        for n in p["seqlens"]:
-            case = Case(p["batch"], p["nheads"], n, n, p["head_dim"], p["dtype"], p["causal"])
-            sets = gpu_inputs(case, 1, self.s.seed)
+        for case in suite_cases("memory", p):
+            sets = functools.cache(lambda: self._inputs(case))
             for impl in impls:
-                ok, why = impl.available()
+                self.step(f"{case.label} {impl.name}")
                 for mode in p["modes"]:
-                    if budget.expired() or not ok:
-                        rows.append(make_row(case.shape(), case.dtype, case.causal, impl.name, mode,
-                                             status="skipped" if ok else "unavailable", reason=SKIPPED if ok else why))
-                        continue
-                    try:
-                        with impl.context():
-                            fn = impl.calls(case, sets, mode)[0]
-                            fn()  # warm: compile, library handles and workspaces stay out of the peak
-                            self._free()
-                            if impl.memory == "torch":
-                                peak, extra = torch_peak(fn), {"allocator": "torch"}
-                            else:
-                                cpeak, tpeak = gpu_peak(fn)
-                                peak = cpeak + tpeak
-                                extra = {"allocator": "cupy+torch" if tpeak else "cupy", "cupy_peak_bytes": cpeak,
-                                         "torch_peak_bytes": tpeak}
-                        del fn
-                        rows.append(make_row(case.shape(), case.dtype, case.causal, impl.name, mode, peak_bytes=peak,
-                                             **extra))
-                    except Exception as e:
-                        fn = None
-                        rows.append(self._fail_row(case, impl.name, mode, e, impl.clock == "torch"))
-                    self._free()
-                self.advance(name, f"memory N={n} {impl.name}")
+                    self._cell(rows, budget, case, impl, mode,
+                               lambda: measure_peak(impl.memory, impl.calls(case, sets(), mode)[0]))
             sets = None
-            self._free()
-        add_memory_ratios(rows, "cuflash")
-        return memory_summary(rows, "cuflash", "conventional")
+        ours, base = ("cuflash", "conventional") if self.platform == "gpu" else ("cuflash-numpy", "materialized-numpy")
+        add_memory_ratios(rows, ours)
+        return memory_summary(rows, ours, base)
 
-    def _launch(self, name: str, p: dict, budget: Budget, rows: list) -> dict:
-        """Per call: device time vs host enqueue time; the same call replayed from a CUDA graph."""
-        import cupy
+    def _accuracy(self, p: dict, budget: Budget, rows: list) -> dict:
+        """Max abs error of every output against float64, cuflash beside materialized attention in the
+        input dtype (the accuracy rule); then bitwise reproducibility over repeated calls."""
+        gpu = self.platform == "gpu"
+        pair = [Cuflash(), Conventional()] if gpu else [Cuflash("cuflash-numpy", backend="numpy"), MaterializedNumpy()]
+        for dt in p["dtypes"]:
+            for n in p["seqlens"]:
+                self.step(f"{dt} N={n}")
+                case = Case(p["batch"], p["nheads"], n, n, p["head_dim"], dt, p["causal"])
+                rows += self._errors(case, pair, budget)
+                self._free()
+            self.step(f"{dt} reproducibility")
+            n = p["repro_seqlen"]
+            self._reproducibility(Case(p["batch"], p["nheads"], n, n, p["head_dim"], dt, p["causal"]), pair,
+                                  p["repro_repeats"], budget, rows)
+        out = {"atol": {dt: ACCURACY_ATOL[dt] for dt in p["dtypes"]}}
+        if gpu:
+            out["matmul"] = {dt: pair[1].notes(dt)["matmul"] for dt in p["dtypes"]}
+        return out
 
-        from .baselines import CuflashGPU, gpu_inputs
-        from .timing import CupyClock, input_sets_for, time_device, time_host
+    def _errors(self, case: Case, pair: list, budget: Budget) -> list[dict]:
+        """One row per (implementation, output); the first implementation's rows carry the rule's verdict
+        against the second's error: max|ours - ref64| <= 2 max|materialized - ref64| + atol."""
+        from .. import reference
 
-        impl = CuflashGPU()
-        ok, why = impl.available()
-        l2 = self._l2_bytes()
-        clk = CupyClock()
-        for n in p["seqlens"]:
-            case = Case(p["batch"], p["nheads"], n, n, p["head_dim"], p["dtype"], p["causal"])
-            sets = gpu_inputs(case, input_sets_for(case.set_bytes("bwd"), l2), self.s.seed) if ok else None
-            for mode in p["modes"]:
-                self.advance(name, f"launch N={n} {mode}")
-                if budget.expired() or not ok:
-                    for im in ("cuflash", "cuflash-graph"):
-                        rows.append(make_row(case.shape(), case.dtype, case.causal, im, mode,
-                                             status="skipped" if ok else "unavailable", reason=SKIPPED if ok else why))
+        if nr := blocked(budget):
+            return [row(case, impl.name, mode, output=o, **nr) for impl in pair for o, mode in OUTPUTS.items()]
+        try:
+            s = self._inputs(case, seed=self.s.seed + case.seqlen_q)[0]
+            kw = dict(causal=case.causal, softmax_scale=case.scale)
+            q, k, v, do = (upcast(x) for x in (s.q, s.k, s.v, s.do))
+            ref = dict(zip(OUTPUTS, (reference.forward(q, k, v, **kw)[0], *reference.backward(do, q, k, v, **kw))))
+            del q, k, v, do
+        except Exception as e:  # inputs or the float64 reference did not fit
+            return [fail_row(case, impl.name, mode, e, output=o) for impl in pair for o, mode in OUTPUTS.items()]
+        new: dict[str, list[dict]] = {}
+        for impl in pair:
+            try:
+                state = impl.forward(case, s)
+                got = dict(zip(OUTPUTS, (state[0], *impl.backward(case, s, state))))
+                new[impl.name] = [row(case, impl.name, mode, output=o,
+                                      max_abs_err=float(reference.max_abs_error(upcast(got[o]), ref[o])))
+                                  for o, mode in OUTPUTS.items()]
+            except Exception as e:
+                new[impl.name] = [fail_row(case, impl.name, mode, e, output=o) for o, mode in OUTPUTS.items()]
+            state = got = None
+        atol = ACCURACY_ATOL[case.dtype]
+        for r, b in zip(new[pair[0].name], new[pair[1].name]):
+            if r["status"] == "ok" and b["status"] == "ok":
+                e, eb = r["max_abs_err"], b["max_abs_err"]
+                r.update(err_ratio_vs_conventional=e / eb if eb > 0 else None, within_rule=bool(e <= 2 * eb + atol),
+                         atol=atol)
+        return new[pair[0].name] + new[pair[1].name]
+
+    def _reproducibility(self, case: Case, pair: list, repeats: int, budget: Budget, rows: list) -> None:
+        """Whether repeated calls on the same inputs return the same bits (forward, and backward)."""
+        s = None
+        for impl in pair:
+            for mode in ("fwd", "bwd"):
+                if nr := blocked(budget):
+                    rows.append(row(case, impl.name, mode, output="all", **nr))
                     continue
                 try:
-                    calls = impl.calls(case, sets, mode)
-                    dev = time_device(calls, clk, warmup=self.s.warmup, repeats=self.s.repeats,
-                                      budget_s=self.s.cell_seconds)
-                    host = time_host(calls, clk, warmup=1, runs=dev["n_runs"])
-                    dev.pop("host_enqueue_ms_est", None)
-                    rows.append(make_row(case.shape(), case.dtype, case.causal, "cuflash", mode, **dev, **host,
-                                         host_over_device=host["host_ms_median"] / dev["ms_median"]))
+                    s = s or self._inputs(case)
+                    fn = impl.calls(case, s, mode)[0]
+                    first = fn()
+                    same = all(same_bits(first, fn()) for _ in range(repeats - 1))
+                    rows.append(row(case, impl.name, mode, output="all", bitwise_reproducible=same, repeats=repeats))
                 except Exception as e:
-                    calls = None
-                    rows.append(self._fail_row(case, "cuflash", mode, e, False))
-                    rows.append(make_row(case.shape(), case.dtype, case.causal, "cuflash-graph", mode,
-                                         status="skipped", reason="the plain call failed"))
-                    continue
-                rows.append(self._graph_row(case, mode, calls[0], cupy))
-                calls = None
+                    rows.append(fail_row(case, impl.name, mode, e, output="all"))
+                fn = first = None
+        self._free()
+
+    def _launch(self, p: dict, budget: Budget, rows: list) -> dict:
+        """Host time per cached call (and device time per call) of cuflash on CuPy and on torch inputs, of
+        torch SDPA's flash and cuDNN backends, and of cuflash's call replayed from a CUDA graph. Every row
+        goes through timing.time_call; all read the same (B, H, N, d) buffers."""
+        from .baselines import bhsd
+        from .timing import clock, input_sets_for, time_call
+
+        impls = [Cuflash("cuflash-cupy", layout="bhsd"), Cuflash("cuflash-torch", layout="bhsd", torch_inputs=True)]
+        impls += [TorchSDPA(n, layout="bhsd", raw_backward=True) for n in ("torch-flash", "torch-cudnn")
+                  if n in self.s.backends]
+        l2 = self._l2_bytes()
+        for case in suite_cases("launch", p):
+            sets = functools.cache(lambda: [bhsd(x) for x in self._inputs(case, input_sets_for(case.set_bytes("bwd"),
+                                                                                               l2))])
+            for mode in p["modes"]:
+                self.step(f"{case.label} {mode}")
+                plain = []  # the cuflash-cupy call, for the CUDA-graph row
+                for impl in impls:
+                    def measure():
+                        calls = impl.calls(case, sets(), mode)
+                        plain.extend(calls[:1] if impl.name == "cuflash-cupy" else [])
+                        return time_call(calls, clock(impl.clock), **self._timer())
+
+                    self._cell(rows, budget, case, impl, mode, measure)
+                rows.append(self._graph_row(case, mode, plain[0]) if plain else row(
+                    case, "cuflash-graph", mode, status="skipped", reason="the plain cuflash-cupy call did not run"))
+                plain = None
             sets = None
             self._free()
-        return {}
+        add_host_ratios(rows)
+        return {"host_timing": p["host_timing"]}
 
-    def _graph_row(self, case: Case, mode: str, fn, cupy) -> dict:
+    def _graph_row(self, case: Case, mode: str, fn) -> dict:
         """Capture fn into a CUDA graph on a side stream and time its replay (device and host)."""
-        from .timing import CupyClock, time_device, time_host
+        import cupy
+
+        from .timing import CupyClock, time_call
 
         stream = cupy.cuda.Stream(non_blocking=True)
-        graph = None
-        keep = None
+        graph = keep = None
         try:
             with stream:
                 for _ in range(2):  # compile, and leave pool blocks cached on this stream
@@ -379,142 +500,17 @@ class Runner:
                 finally:
                     graph = stream.end_capture()
                 graph.upload(stream)
-                replay = [lambda: graph.launch(stream)]
-                clk = CupyClock()
-                dev = time_device(replay, clk, warmup=self.s.warmup, repeats=self.s.repeats,
-                                  budget_s=self.s.cell_seconds)
-                host = time_host(replay, clk, warmup=1, runs=dev["n_runs"])
-            dev.pop("host_enqueue_ms_est", None)
-            row = make_row(case.shape(), case.dtype, case.causal, "cuflash-graph", mode, **dev, **host,
-                           host_over_device=host["host_ms_median"] / dev["ms_median"])
+                st = time_call([lambda: graph.launch(stream)], CupyClock(), **self._timer())
+            return row(case, "cuflash-graph", mode, **st)
         except Exception as e:
-            row = make_row(case.shape(), case.dtype, case.causal, "cuflash-graph", mode, status="unavailable",
-                           reason=f"CUDA graph capture of the call failed: {short_reason(e)}")
+            return row(case, "cuflash-graph", mode, status="unavailable",
+                       reason=f"CUDA graph capture of the call failed: {short_reason(e)}")
         finally:
             try:
                 stream.synchronize()
             except Exception:
                 pass
-            keep = graph = None  # release the captured outputs
-        return row
-
-    def _accuracy_gpu(self, name: str, p: dict, budget: Budget, rows: list) -> dict:
-        import cupy
-
-        from .. import reference
-        from ..api import flash_attn_backward, flash_attn_forward
-        from .baselines import (conventional_backward, conventional_forward, conventional_matmul_mode,
-                                gpu_inputs, gpu_to_f64)
-
-        outputs = ("o", "dq", "dk", "dv")
-        notes = {}
-        for dt in p["dtypes"]:
-            mm_mode, note = conventional_matmul_mode(dt)
-            notes[dt] = note
-            for n in p["seqlens"]:
-                self.advance(name, f"accuracy {dt} N={n}")
-                case = Case(p["batch"], p["nheads"], n, n, p["head_dim"], dt, p["causal"])
-                if budget.expired():
-                    for impl in ("cuflash", "conventional"):
-                        for mode, outs in (("fwd", ["o"]), ("bwd", ["dq", "dk", "dv"])):
-                            for o_name in outs:
-                                rows.append(make_row(case.shape(), dt, case.causal, impl, mode, status="skipped",
-                                                     reason=SKIPPED, output=o_name))
-                    continue
-                s = gpu_inputs(case, 1, self.s.seed + n)[0]
-                kw = dict(causal=case.causal, softmax_scale=case.scale)
-                q64, k64, v64, do64 = (gpu_to_f64(x) for x in (s.q, s.k, s.v, s.do))
-                ref = {"o": reference.forward(q64, k64, v64, **kw)[0]}
-                ref.update(zip(("dq", "dk", "dv"), reference.backward(do64, q64, k64, v64, **kw)))
-                del q64, k64, v64, do64
-                got: dict[str, dict] = {}
-                try:
-                    o, lse = flash_attn_forward(s.q, s.k, s.v, backend="cuda", **kw)
-                    g = flash_attn_backward(s.do, s.q, s.k, s.v, o, lse, backend="cuda", **kw)
-                    got["cuflash"] = dict(zip(outputs, (o, *g)))
-                except Exception as e:
-                    got["cuflash"] = e
-                try:
-                    o, pm = conventional_forward(s.q, s.k, s.v, causal=case.causal, scale=case.scale, mode=mm_mode)
-                    g = conventional_backward(s.do, s.q, s.k, s.v, pm, scale=case.scale, mode=mm_mode)
-                    del pm
-                    got["conventional"] = dict(zip(outputs, (o, *g)))
-                except Exception as e:
-                    got["conventional"] = e
-                self._accuracy_rows(rows, case, got, ref, lambda x, r: reference.max_abs_error(gpu_to_f64(x), r))
-                del got, ref
-                self._free()
-            # Bitwise reproducibility over repeated calls, at a mid-sized N.
-            self.advance(name, f"accuracy {dt} reproducibility")
-            n = p["seqlens"][min(2, len(p["seqlens"]) - 1)]
-            case = Case(p["batch"], p["nheads"], n, n, p["head_dim"], dt, p["causal"])
-            s = gpu_inputs(case, 1, self.s.seed)[0]
-            kw = dict(causal=case.causal, softmax_scale=case.scale)
-            ckw = dict(causal=case.causal, scale=case.scale, mode=mm_mode)
-
-            def cu_fwd(_):
-                return flash_attn_forward(s.q, s.k, s.v, backend="cuda", **kw)
-
-            def cu_bwd(st):
-                return flash_attn_backward(s.do, s.q, s.k, s.v, *st, backend="cuda", **kw)
-
-            def cv_fwd(_):
-                return conventional_forward(s.q, s.k, s.v, **ckw)
-
-            def cv_bwd(st):
-                return conventional_backward(s.do, s.q, s.k, s.v, st[1], scale=case.scale, mode=mm_mode)
-
-            for impl, mode, prep, fn in (("cuflash", "fwd", None, cu_fwd), ("cuflash", "bwd", cu_fwd, cu_bwd),
-                                         ("conventional", "fwd", None, cv_fwd),
-                                         ("conventional", "bwd", cv_fwd, cv_bwd)):
-                try:
-                    st = prep(None) if prep else None
-                    reps = p["repro_repeats"]
-                    first = [cupy.ascontiguousarray(x) for x in fn(st)]
-                    equal = True
-                    for _ in range(reps - 1):
-                        again = [cupy.ascontiguousarray(x) for x in fn(st)]
-                        equal &= all(bool(cupy.array_equal(a.view(cupy.uint8), b.view(cupy.uint8)))
-                                     for a, b in zip(first, again))
-                    rows.append(make_row(case.shape(), dt, case.causal, impl, mode, output="all",
-                                         bitwise_reproducible=bool(equal), repeats=reps))
-                except Exception as e:
-                    r = self._fail_row(case, impl, mode, e, False)
-                    r["output"] = "all"
-                    rows.append(r)
-                st = first = again = None
-            s = None
-            self._free()
-        return {"matmul": notes, "atol": {dt: ACCURACY_ATOL[dt] for dt in p["dtypes"]}}
-
-    @staticmethod
-    def _accuracy_rows(rows, case: Case, got: dict, ref: dict, err_fn) -> None:
-        """One row per (implementation, output); cuflash rows carry the accuracy rule's verdict."""
-        new: list[dict] = []
-        errs: dict[str, dict[str, float]] = {}
-        for impl, res in got.items():
-            for o_name in ("o", "dq", "dk", "dv"):
-                mode = "fwd" if o_name == "o" else "bwd"
-                if isinstance(res, Exception):
-                    status = "OOM" if is_oom(res) else "error"
-                    new.append(make_row(case.shape(), case.dtype, case.causal, impl, mode, status=status,
-                                        reason=short_reason(res), output=o_name))
-                    continue
-                err = float(err_fn(res[o_name], ref[o_name]))
-                errs.setdefault(impl, {})[o_name] = err
-                new.append(make_row(case.shape(), case.dtype, case.causal, impl, mode, output=o_name,
-                                    max_abs_err=err))
-        base_name = "conventional" if "conventional" in got else "materialized-numpy"
-        ours_name = "cuflash" if "cuflash" in got else "cuflash-numpy"
-        atol = ACCURACY_ATOL[case.dtype]
-        for r in new:
-            base = errs.get(base_name, {}).get(r["output"])
-            if r["implementation"] != ours_name or r["status"] != "ok" or base is None:
-                continue
-            r["err_ratio_vs_conventional"] = r["max_abs_err"] / base if base > 0 else None
-            r["within_rule"] = bool(r["max_abs_err"] <= 2 * base + atol)
-            r["atol"] = atol
-        rows.extend(new)
+            keep = graph = None  # noqa: F841  (release the captured outputs)
 
     def _energy_setup(self) -> None:
         from .energy import open_nvml
@@ -527,152 +523,28 @@ class Runner:
                 self.nvml_reason = f"idle power could not be read ({short_reason(e)})"
                 self.nvml = None
 
-    def _energy(self, name: str, p: dict, budget: Budget, rows: list) -> dict:
-        from .baselines import gpu_inputs
+    def _energy(self, p: dict, budget: Budget, rows: list) -> dict:
+        """Joules per call from NVML's energy counter, above idle power."""
         from .timing import clock
 
-        impls = self._impls()
-        case = Case(p["batch"], p["nheads"], p["seqlen"], p["seqlen"], p["head_dim"], p["dtype"], p["causal"])
-        if self.nvml is None:
-            for mode in p["modes"]:
-                for impl in impls:
-                    rows.append(make_row(case.shape(), case.dtype, case.causal, impl.name, mode,
-                                         status="unavailable", reason=self.nvml_reason))
-            return {"idle_w": None, "reason": self.nvml_reason}
-        sets = gpu_inputs(case, 1, self.s.seed)
+        case = suite_cases("energy", p)[0]
+        sets = functools.cache(lambda: self._inputs(case))
         for mode in p["modes"]:
-            for impl in impls:
-                self.advance(name, f"energy {mode} {impl.name}")
-                ok, why = impl.available()
-                if budget.expired() or not ok:
-                    rows.append(make_row(case.shape(), case.dtype, case.causal, impl.name, mode,
-                                         status="skipped" if ok else "unavailable", reason=SKIPPED if ok else why))
-                    continue
-                try:
-                    clk = clock(impl.clock)
-                    with impl.context():
-                        calls = impl.calls(case, sets, mode)
-                        for i in range(self.s.warmup):
-                            calls[i % len(calls)]()
-                        a, b = clk.event(), clk.event()
-                        clk.record(a)
-                        calls[0]()
-                        clk.record(b)
-                        clk.sync()
-                        est = clk.elapsed_ms(a, b)
-                        res = self.nvml.measure(lambda i: calls[i % len(calls)](), clk.sync, window_s=p["window_s"],
-                                                est_ms=est, idle_w=self.idle_w)
-                    calls = None
-                    rows.append(make_row(case.shape(), case.dtype, case.causal, impl.name, mode, **res))
-                except Exception as e:
-                    calls = None
-                    rows.append(self._fail_row(case, impl.name, mode, e, impl.clock == "torch"))
-                self._free()
-        return {"idle_w": self.idle_w}
+            for impl in self._impls():
+                self.step(f"{mode} {impl.name}")
 
-    # -------------------------------------------------------------------------------------------
-    # CPU: the NumPy backend against materialized NumPy
+                def measure():
+                    clk, calls = clock(impl.clock), impl.calls(case, sets(), mode)
+                    for i in range(self.s.warmup):
+                        calls[i % len(calls)]()
+                    a, b = clk.event(), clk.event()
+                    clk.record(a)
+                    calls[0]()
+                    clk.record(b)
+                    clk.sync()
+                    return self.nvml.measure(lambda i: calls[i % len(calls)](), clk.sync, window_s=p["window_s"],
+                                             est_ms=clk.elapsed_ms(a, b), idle_w=self.idle_w)
 
-    def run_cpu(self) -> dict:
-        return {
-            "memory": self._run_suite("memory", "cpu", self._memory_cpu),
-            "accuracy": self._run_suite("accuracy", "cpu", self._accuracy_cpu),
-        }
-
-    def _memory_cpu(self, p: dict, budget: Budget, rows: list) -> dict:
-        from .memory import host_peak, tracing
-
-        ours, theirs = CuflashNumpy(), MaterializedNumpy()
-        ok, why = ours.available()
-        with tracing():
-            for n in p["seqlens"]:
-                case = Case(p["batch"], p["nheads"], n, n, p["head_dim"], p["dtype"], p["causal"])
-                s = cpu_inputs(case, self.s.seed)
-                kw = dict(causal=case.causal, scale=case.scale)
-                fns = {
-                    ("cuflash-numpy", "fwd"): lambda: ours.forward(s.q, s.k, s.v, **kw),
-                    ("cuflash-numpy", "fwd_bwd"): lambda: ours.backward(s.do, s.q, s.k, s.v,
-                                                                        *ours.forward(s.q, s.k, s.v, **kw), **kw),
-                    ("materialized-numpy", "fwd"): lambda: theirs.forward(s.q, s.k, s.v, **kw),
-                    ("materialized-numpy", "fwd_bwd"): lambda: theirs.backward(s.do, s.q, s.k, s.v, **kw),
-                }
-                for impl in CPU_IMPLS:
-                    for mode in p["modes"]:
-                        if impl == "cuflash-numpy" and not ok:
-                            rows.append(make_row(case.shape(), case.dtype, case.causal, impl, mode,
-                                                 status="unavailable", reason=why))
-                            continue
-                        if budget.expired():
-                            rows.append(make_row(case.shape(), case.dtype, case.causal, impl, mode,
-                                                 status="skipped", reason=SKIPPED))
-                            continue
-                        try:
-                            peak = host_peak(fns[(impl, mode)])
-                            rows.append(make_row(case.shape(), case.dtype, case.causal, impl, mode, peak_bytes=peak,
-                                                 allocator="tracemalloc"))
-                        except Exception as e:
-                            rows.append(self._fail_row(case, impl, mode, e, False))
-                    self.advance("memory", f"memory N={n} {impl}")
-                gc.collect()
-        add_memory_ratios(rows, "cuflash-numpy")
-        return memory_summary(rows, "cuflash-numpy", "materialized-numpy")
-
-    def _accuracy_cpu(self, p: dict, budget: Budget, rows: list) -> dict:
-        import numpy as np
-
-        from .. import reference
-
-        ours, theirs = CuflashNumpy(), MaterializedNumpy()
-        for dt in p["dtypes"]:
-            for n in p["seqlens"]:
-                self.advance("accuracy", f"accuracy {dt} N={n}")
-                case = Case(p["batch"], p["nheads"], n, n, p["head_dim"], dt, p["causal"])
-                if budget.expired():
-                    for impl in CPU_IMPLS:
-                        for mode, outs in (("fwd", ["o"]), ("bwd", ["dq", "dk", "dv"])):
-                            for o_name in outs:
-                                rows.append(make_row(case.shape(), dt, case.causal, impl, mode, status="skipped",
-                                                     reason=SKIPPED, output=o_name))
-                    continue
-                s = cpu_inputs(case, self.s.seed + n)
-                kw = dict(causal=case.causal, scale=case.scale)
-                q64, k64, v64, do64 = (x.astype(np.float64) for x in (s.q, s.k, s.v, s.do))
-                rkw = dict(causal=case.causal, softmax_scale=case.scale)
-                ref = {"o": reference.forward(q64, k64, v64, **rkw)[0]}
-                ref.update(zip(("dq", "dk", "dv"), reference.backward(do64, q64, k64, v64, **rkw)))
-                got: dict = {}
-                try:
-                    o, lse = ours.forward(s.q, s.k, s.v, **kw)
-                    got["cuflash-numpy"] = dict(zip(("o", "dq", "dk", "dv"),
-                                                    (o, *ours.backward(s.do, s.q, s.k, s.v, o, lse, **kw))))
-                except Exception as e:
-                    got["cuflash-numpy"] = e
-                try:
-                    o = theirs.forward(s.q, s.k, s.v, **kw)[0]
-                    got["materialized-numpy"] = dict(zip(("o", "dq", "dk", "dv"),
-                                                         (o, *theirs.backward(s.do, s.q, s.k, s.v, **kw))))
-                except Exception as e:
-                    got["materialized-numpy"] = e
-                self._accuracy_rows(rows, case, got, ref,
-                                    lambda x, r: reference.max_abs_error(np.asarray(x).astype(np.float64), r))
-            # Bitwise reproducibility of the NumPy backend.
-            self.advance("accuracy", f"accuracy {dt} reproducibility")
-            n = p["seqlens"][-1]
-            case = Case(p["batch"], p["nheads"], n, n, p["head_dim"], dt, p["causal"])
-            s = cpu_inputs(case, self.s.seed)
-            kw = dict(causal=case.causal, scale=case.scale)
-            try:
-                o, lse = ours.forward(s.q, s.k, s.v, **kw)
-                for mode, fn in (("fwd", lambda: ours.forward(s.q, s.k, s.v, **kw)),
-                                 ("bwd", lambda: ours.backward(s.do, s.q, s.k, s.v, o, lse, **kw))):
-                    first = [np.ascontiguousarray(x) for x in fn()]
-                    equal = all(all(a.tobytes() == np.ascontiguousarray(b).tobytes() for a, b in zip(first, fn()))
-                                for _ in range(p["repro_repeats"] - 1))
-                    rows.append(make_row(case.shape(), dt, case.causal, "cuflash-numpy", mode, output="all",
-                                         bitwise_reproducible=equal, repeats=p["repro_repeats"]))
-            except Exception as e:
-                r = self._fail_row(case, "cuflash-numpy", "fwd", e, False)
-                r["output"] = "all"
-                rows.append(r)
-        return {"atol": {dt: ACCURACY_ATOL[dt] for dt in p["dtypes"]}}
-
+                self._cell(rows, budget, case, impl, mode, measure,
+                           (False, self.nvml_reason) if self.nvml is None else None)
+        return {"idle_w": self.idle_w} if self.nvml is not None else {"idle_w": None, "reason": self.nvml_reason}

@@ -193,13 +193,16 @@ def time_host(calls: Sequence[Callable[[], object]], clk, *, warmup: int, runs: 
     return out
 
 
-def time_cpu(fn: Callable[[], object], *, warmup: int = 1, runs: int = MIN_RUNS) -> dict:
-    """Wall time per call of a synchronous (CPU) function."""
-    for _ in range(max(0, warmup)):
-        fn()
-    xs = []
-    for _ in range(max(MIN_RUNS, runs)):
-        t0 = time.perf_counter()
-        fn()
-        xs.append((time.perf_counter() - t0) * 1e3)
-    return summarize(xs)
+HOST_TIMING = ("host us: median time.perf_counter() around one cached call, the stream synchronized before "
+               "each call so that a full launch queue never blocks the enqueue; device ms: CUDA events around "
+               "each of the same calls, run back to back behind a spin kernel")
+
+
+def time_call(calls: Sequence[Callable[[], object]], clk, *, warmup: int, repeats: int, budget_s: float) -> dict:
+    """Device time and host time per call of the same calls: what every launch-suite row reports."""
+    dev = time_device(calls, clk, warmup=warmup, repeats=repeats, budget_s=budget_s)
+    dev.pop("host_enqueue_ms_est")
+    host = time_host(calls, clk, warmup=1, runs=dev["n_runs"])
+    return {**dev, **host, "host_us_median": host["host_ms_median"] * 1e3,
+            "host_over_device": host["host_ms_median"] / dev["ms_median"] if dev["ms_median"] > 0 else None,
+            "method": HOST_TIMING}
