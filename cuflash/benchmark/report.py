@@ -74,8 +74,8 @@ Row keys by suite (on status "ok" rows):
                      row has "mem_ratio_vs_<impl>" = peak(impl) / peak(cuflash); other rows
                      "mem_ratio_to_cuflash".
     launch           ms_* = device time per call, host_ms_median / host_ms_min / host_ms_max and
-                     host_us_median = host time per cached call (the stream synchronized before each
-                     call, none inside it), n_runs, host_n_runs, host_over_device, method (how).
+                     host_us_median = host time per cached call (calls back to back behind a spin
+                     kernel, no sync between them), n_runs, host_n_runs, host_over_device, method (how).
                      "cuflash-cupy" / "cuflash-torch": cuflash on CuPy arrays / torch tensors;
                      "torch-flash" / "torch-cudnn": SDPA forward, and backward through the aten op
                      with the saved forward outputs; "cuflash-graph": a CUDA-graph replay of the
