@@ -64,8 +64,12 @@ def source_hash(filename: str) -> str:
 
 
 def compile_options() -> tuple[str, ...]:
-    """Options shared by the runtime path and the compile gate. CuPy adds -arch for the device."""
-    opts = ["-std=c++17"]
+    """The NVRTC options of every kernel build: the runtime's (`module`, through cupy.RawModule) and
+    the compile gate's (`nvrtc_compile`) alike, so that the gate checks the binary that runs. The gate
+    adds only what it alone needs (`gate_options`); CuPy adds -arch for the current device.
+
+    -ftz=true: fp32 subnormals flush to zero; exp2f becomes one ex2.approx.ftz.f32 (no subnormal fix-up)."""
+    opts = ["-std=c++17", "-ftz=true"]
     if os.environ.get("CUFLASH_LINEINFO"):
         opts.append("-lineinfo")
     return tuple(opts)
@@ -206,6 +210,12 @@ def _check(result):
     return rest[0] if len(rest) == 1 else rest
 
 
+def gate_options(arch: int) -> tuple[str, ...]:
+    """compile_options() plus what only the gate needs: the target, ptxas' resource report, and the
+    CUDA headers (CuPy finds them itself at run time)."""
+    return (*compile_options(), f"-arch=sm_{arch}", "--ptxas-options=-v", *(f"-I{d}" for d in _cuda_include_dirs()))
+
+
 def nvrtc_compile(filename: str, names: list[str], arch: int) -> tuple[str, dict[str, str]]:
     """Compile names from kernels_cu/<filename> to a cubin for sm_<arch>; returns (log, lowered)."""
     from cuda.bindings import nvrtc
@@ -215,8 +225,7 @@ def nvrtc_compile(filename: str, names: list[str], arch: int) -> tuple[str, dict
     try:
         for n in names:
             _check(nvrtc.nvrtcAddNameExpression(prog, n.encode()))
-        opts = [*compile_options(), f"-arch=sm_{arch}", "--ptxas-options=-v", "-ftz=true"]
-        opts += [f"-I{d}" for d in _cuda_include_dirs()]
+        opts = gate_options(arch)
         err, = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
         size = _check(nvrtc.nvrtcGetProgramLogSize(prog))
         buf = b" " * size

@@ -3,7 +3,8 @@
 Pure Python, testable without a GPU. A `KernelConfig` maps one-to-one to a C++ template
 instantiation, e.g. ``cuflash::flash_fwd<__nv_bfloat16, 128, 64, 64, 4, true>``; template arguments
 are what changes the code's shape (dtype, head dim, tiles, warps, causal), and everything else
-travels in the params struct (see kernels_cu/params.cuh).
+travels in the params struct (see kernels_cu/params.cuh). A kernel takes only the template arguments
+it uses (TEMPLATE_PARAMS): flash_bwd_preprocess has one instantiation per dtype.
 """
 
 from __future__ import annotations
@@ -44,13 +45,21 @@ SOURCES = {
 }
 
 
+# Template parameters of each kernel, in order, as KernelConfig fields. A field a kernel does not take
+# is 0 (or False) in its configs, so that one config is one instantiation.
+_TEMPLATE_PARAMS = ("dtype", "head_dim", "block_m", "block_n", "warps", "causal")
+TEMPLATE_PARAMS = {k: _TEMPLATE_PARAMS for k in SOURCES} | {
+    "flash_bwd_preprocess": ("dtype", "block_m", "warps"),  # D = rowsum(dO * O): any head_dim, no mask
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     kernel: str  # a key of SOURCES
     dtype: str  # a member of DTYPES
-    head_dim: int  # compiled head dim (a member of HEAD_DIMS)
+    head_dim: int  # compiled head dim (a member of HEAD_DIMS); 0 where the kernel takes none
     block_m: int  # query rows per tile
-    block_n: int  # key rows per tile
+    block_n: int  # key rows per tile; 0 where the kernel takes none
     warps: int
     causal: bool
 
@@ -64,11 +73,15 @@ class KernelConfig:
 
     @property
     def template_name(self) -> str:
-        causal = "true" if self.causal else "false"
-        return (
-            f"cuflash::{self.kernel}<{CTYPES[self.dtype]}, {self.head_dim}, {self.block_m}, "
-            f"{self.block_n}, {self.warps}, {causal}>"
-        )
+        def arg(field):
+            value = getattr(self, field)
+            if field == "dtype":
+                return CTYPES[value]
+            if isinstance(value, bool):
+                return "true" if value else "false"
+            return str(value)
+
+        return f"cuflash::{self.kernel}<{', '.join(arg(f) for f in TEMPLATE_PARAMS[self.kernel])}>"
 
     @property
     def smem_bytes(self) -> int:
@@ -83,7 +96,6 @@ _TILES: dict[str, dict[int, tuple[int, int, int]]] = {
     # causal and not) among those that compile without spills for sm_80 and sm_90.
     "flash_fwd": {32: (128, 64, 8), 64: (128, 64, 4), 96: (128, 32, 4), 128: (128, 32, 4),
                   160: (64, 32, 4), 192: (128, 64, 8), 224: (128, 64, 8), 256: (128, 64, 8)},
-    "flash_bwd_preprocess": {d: (64, 64, 4) for d in HEAD_DIMS},
     "flash_bwd_dkdv": {32: (64, 64, 4), 64: (64, 64, 4), 96: (64, 64, 4), 128: (64, 64, 4),
                        160: (64, 64, 8), 192: (64, 64, 8), 224: (64, 64, 8), 256: (64, 64, 8)},
     "flash_bwd_dq": {32: (64, 64, 4), 64: (64, 64, 4), 96: (64, 64, 4), 128: (64, 64, 4),
@@ -96,6 +108,10 @@ _TILES: dict[str, dict[int, tuple[int, int, int]]] = {
     "flash_bwd_dq_simt": {32: (64, 32, 4), 64: (64, 32, 4), 96: (32, 32, 4), 128: (32, 32, 4),
                           160: (32, 16, 4), 192: (32, 16, 4), 224: (16, 16, 4), 256: (16, 16, 4)},
 }
+
+
+# flash_bwd_preprocess: (block_m, warps), whatever the head dim (it takes none).
+_PREPROCESS_TILE = (64, 4)
 
 
 def smem_bytes(cfg: KernelConfig) -> int:
@@ -143,6 +159,11 @@ def _make(kernel: str, dtype: str, head_dim: int, causal: bool) -> KernelConfig:
     return KernelConfig(kernel, dtype, d, bm, bn, warps, bool(causal))
 
 
+def _preprocess(dtype: str) -> KernelConfig:
+    bm, warps = _PREPROCESS_TILE
+    return KernelConfig("flash_bwd_preprocess", dtype, 0, bm, 0, warps, False)
+
+
 def dtype_name(dtype) -> str:
     """Canonical dtype name of a NumPy / ml_dtypes dtype, or a framework's (torch.bfloat16...)."""
     if isinstance(dtype, str):
@@ -177,7 +198,7 @@ def choose_backward(dtype, head_dim: int, causal: bool) -> tuple[KernelConfig, K
     dt = dtype_name(dtype)
     suffix = "" if dt in TENSOR_CORE_DTYPES else "_simt"
     return (
-        _make("flash_bwd_preprocess", dt, head_dim, False),  # D = rowsum(dO * O) knows no mask
+        _preprocess(dt),  # D = rowsum(dO * O): one per dtype, any head_dim, no mask
         _make("flash_bwd_dkdv" + suffix, dt, head_dim, causal),
         _make("flash_bwd_dq" + suffix, dt, head_dim, causal),
     )

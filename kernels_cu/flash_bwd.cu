@@ -21,15 +21,24 @@ __device__ __forceinline__ float lse_to_log2_offset(float lse) {
     return lse == neg_inf<float>() ? -neg_inf<float>() : lse * 1.4426950408889634f;
 }
 
+// x, opaque to the compiler. Thread-index arithmetic derived from the result is computed where it is
+// used instead of being shared (common-subexpression elimination) with the same arithmetic done before
+// a long loop, which would keep those values in registers across the whole loop. flash_bwd_dkdv takes
+// its thread index through this once per query block and once for the final store: without it NVRTC
+// 12.9 spilled such values (tile-copy offsets and row predicates) for d = 64 causal on sm_80 and
+// d = 128 on sm_90. Costs a few integer instructions per use; changes no arithmetic on data.
+__device__ __forceinline__ int recompute(int x) {
+    asm volatile("" : "+r"(x));
+    return x;
+}
+
 // D = rowsum(dO * O), one warp per row (lanes stride over head_dim), accumulated in acc_t<T>.
 // Grid (ceil(seqlen_q / kBlockM), nheads, batch); rows >= seqlen_q are not written. No shared memory.
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+// Takes no head dim, key tile or mask: one instantiation per dtype serves every head_dim and both
+// masks (config: head_dim = block_n = 0, causal = false).
+template <typename T, int kBlockM, int kNWarps>
 __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_preprocess(const __grid_constant__ BwdParams p) {
     using A = acc_t<T>;
-    constexpr unsigned kSmemBytes = 0;
-    unsigned dyn_smem;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-    if (dyn_smem < kSmemBytes) __trap();
 
     // [1] Preprocess: D = rowsum(dO * O)
     const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
@@ -150,13 +159,14 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dkdv(const __grid_cons
 
         for (int m_block = m_block_first; m_block < m_block_end; ++m_block) {
             const int row_begin = m_block * kBlockM;
+            const int tid_m = recompute(tid);  // copy offsets and predicates per query block, not loop-carried
             // [3] Load the Q, dO tiles and LSE, D rows of one query block
             cp_async_tile<kBlockM, kHeadDim, kPitch, kNThreads>(sQ, q_head + row_begin * p.fwd.q_row_stride,
-                                                               p.fwd.q_row_stride, seqlen_q - row_begin, head_dim, tid);
+                                                               p.fwd.q_row_stride, seqlen_q - row_begin, head_dim, tid_m);
             cp_async_tile<kBlockM, kHeadDim, kPitch, kNThreads>(sdO, do_head + row_begin * p.do_row_stride,
-                                                               p.do_row_stride, seqlen_q - row_begin, head_dim, tid);
+                                                               p.do_row_stride, seqlen_q - row_begin, head_dim, tid_m);
             cp_async_commit();
-            for (int i = tid; i < kBlockM; i += kNThreads) {
+            for (int i = tid_m; i < kBlockM; i += kNThreads) {
                 const int row = row_begin + i;
                 sLse[i] = row < seqlen_q ? lse_to_log2_offset(lse_head[row]) : -neg_inf<float>();
                 sD[i] = row < seqlen_q ? dsum_head[row] : 0.f;
@@ -283,8 +293,9 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dkdv(const __grid_cons
     __syncthreads();
     T* dk = static_cast<T*>(p.dk) + batch * p.dk_batch_stride + head_k * p.dk_head_stride + key_begin * p.dk_row_stride;
     T* dv = static_cast<T*>(p.dv) + batch * p.dv_batch_stride + head_k * p.dv_head_stride + key_begin * p.dv_row_stride;
-    store_tile<kBlockN, kHeadDim, kPitch, kNThreads>(dk, p.dk_row_stride, sK, seqlen_k - key_begin, head_dim, tid);
-    store_tile<kBlockN, kHeadDim, kPitch, kNThreads>(dv, p.dv_row_stride, sV, seqlen_k - key_begin, head_dim, tid);
+    const int tid_st = recompute(tid);  // not the K / V loads' offsets and predicates, kept across the loop
+    store_tile<kBlockN, kHeadDim, kPitch, kNThreads>(dk, p.dk_row_stride, sK, seqlen_k - key_begin, head_dim, tid_st);
+    store_tile<kBlockN, kHeadDim, kPitch, kNThreads>(dv, p.dv_row_stride, sV, seqlen_k - key_begin, head_dim, tid_st);
 }
 
 // dQ for one query block of kBlockM rows (grid (ceil(seqlen_q / kBlockM), nheads, batch)).

@@ -1,10 +1,11 @@
 """KernelConfig and the heuristics: pure Python."""
 
 import dataclasses
+import re
 
 import pytest
 
-from cuflash import config
+from cuflash import _compile, config
 
 
 def test_template_name():
@@ -42,6 +43,39 @@ def test_backward_configs():
     pre, dkdv, dq = config.choose_backward("bfloat16", 96, True)
     assert (dkdv.kernel, dq.kernel) == ("flash_bwd_dkdv", "flash_bwd_dq")
     assert dkdv.causal and dq.causal and not pre.causal
+
+
+def test_preprocess_is_one_kernel_per_dtype():
+    """D = rowsum(dO * O) takes no head dim, key tile or mask: every backward call of a dtype shares it."""
+    for dt in config.DTYPES:
+        pres = {config.choose_backward(dt, d, causal)[0] for d in range(8, 257, 8) for causal in (False, True)}
+        assert len(pres) == 1, pres
+        assert [c for c in config.all_configs() if c.kernel == "flash_bwd_preprocess" and c.dtype == dt] == list(pres)
+    pre = config.choose_backward("float16", 128, True)[0]
+    assert pre.template_name == "cuflash::flash_bwd_preprocess<__half, 64, 4>"
+    assert (pre.head_dim, pre.block_n, pre.causal, pre.smem_bytes) == (0, 0, False, 0)
+
+
+def test_template_names_match_the_kernels_template_parameters():
+    """Each __global__ kernel's template parameter list, read from kernels_cu/, is TEMPLATE_PARAMS[kernel]
+    (T -> dtype, kHeadDim -> head_dim, ...), and template_name gives one argument per parameter."""
+    fields = {"T": "dtype", "kHeadDim": "head_dim", "kBlockM": "block_m", "kBlockN": "block_n",
+              "kNWarps": "warps", "kIsCausal": "causal"}
+    kernel_re = re.compile(r"template <([^>]*)>\s*__global__ void __launch_bounds__\([^)]*\)\s*(\w+)\(")
+    found = {}
+    for source in set(config.SOURCES.values()):
+        for params, name in kernel_re.findall((_compile.kernels_dir() / source).read_text()):
+            found[name] = tuple(fields[p.split()[-1]] for p in params.split(","))
+    assert set(found) == set(config.SOURCES)
+    assert found == config.TEMPLATE_PARAMS
+    for c in config.all_configs():
+        args = c.template_name.removeprefix(f"cuflash::{c.kernel}<").removesuffix(">").split(", ")
+        assert len(args) == len(config.TEMPLATE_PARAMS[c.kernel]), c.template_name
+
+
+def test_all_configs_are_distinct_instantiations():
+    names = [c.template_name for c in config.all_configs()]
+    assert len(names) == len(set(names))
 
 
 def test_all_configs_cover_every_choice():

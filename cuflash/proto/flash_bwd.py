@@ -49,7 +49,7 @@ def smem_bytes(cfg) -> int:
 
 @functools.lru_cache(maxsize=None)
 def make_flash_bwd_preprocess(cfg):
-    HEAD_DIM = cfg.head_dim
+    # As in flash_bwd.cu, only dtype, block_m and warps: one kernel serves every head_dim.
     BLOCK_M = cfg.block_m
     NTHREADS = cfg.threads
     ACC = acc_type(cfg.dtype)
@@ -67,7 +67,7 @@ def make_flash_bwd_preprocess(cfg):
             row = m_block * BLOCK_M + r
             if row < seqlen_q:
                 acc = ACC(0)
-                for c in range(min(head_dim, HEAD_DIM)):
+                for c in range(head_dim):
                     acc += ACC(do[batch, row, head, c]) * ACC(o[batch, row, head, c])
                 dsum[batch, head, row] = acc
 
