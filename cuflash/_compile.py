@@ -1,11 +1,12 @@
 """Source assembly and kernel compilation.
 
-`kernel(cfg)` returns a launchable `cupy.RawKernel`, compiled once per (source hash, config,
-device) and kept in memory; CuPy's disk cache keeps the binary across processes. CuPy's disk cache
-keys on the source string only, not on the files it `#include`s, so `source(cfg)` inlines every
-kernels_cu header into one string: an edited header can never run a stale binary.
+`kernel(cfg)` returns a launchable `cupy.RawKernel`, loaded once per (config, device) from a module
+compiled once per (source hash, instantiations, device) and kept in memory; CuPy's disk cache keeps
+the binary across processes. CuPy's disk cache keys on the source string only, not on the files it
+`#include`s, so `source_text(filename)` inlines every kernels_cu header into one string: an edited
+header can never run a stale binary.
 
-`ptxas_report(cfg, arch)` compiles the same source with NVRTC from cuda-bindings, which needs no GPU
+`ptxas_reports(configs, arch)` compiles the same source with NVRTC from cuda-bindings, which needs no GPU
 and no driver, and parses ptxas' resource report: the compile gate (tests/test_compile_gate.py).
 """
 
