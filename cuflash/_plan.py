@@ -190,8 +190,8 @@ class BackwardPlan:
         self.shapes = tuple(tuple(x.shape) for x in (q, k, v))
         self.dsum_shape = tuple(lse.shape)
         # dq=, dk=, dv= given: their spans, and those of everything they must not overlap
-        self.given = None if all(x is None for x in grads) else tuple(x is not None for x in grads)
-        if self.given is not None:
+        self.grads_given = any(x is not None for x in grads)
+        if self.grads_given:
             self.spans = [None if x is None else _span(x) for x in (*grads, do, q, k, v, o, lse)]
         self.general = general
 
@@ -202,7 +202,7 @@ class BackwardPlan:
         if (pdo | pq | pk | pv | po) & MISALIGNED or kind.current_device() != kind.device:
             return self.general(do, q, k, v, o, lse, dq=dq, dk=dk, dv=dv)
         same = kind.same
-        if self.given is None:
+        if not self.grads_given:
             grads = [same(q, shape) for shape in self.shapes]
         else:
             grads = [x if x is not None else same(q, shape) for x, shape in zip((dq, dk, dv), self.shapes)]
