@@ -97,7 +97,7 @@ def compile_cmd(jobs: int, dtypes: tuple[str, ...]) -> None:
     t0 = time.perf_counter()
     with ProgressBar(Console(), len(cfgs)) as bar:  # a bar on a terminal, nothing elsewhere
         n = _compile.precompile(cfgs, jobs=jobs, progress=lambda cfg, done, total: bar.advance(
-            "compiled", f"{cfg.kernel} {cfg.dtype} d={cfg.head_dim}", completed=done))
+            "compiled", cfg.label, completed=done))
     click.echo(f"compiled {n} kernel configs in {time.perf_counter() - t0:.1f} s ({jobs} jobs)")
 
 

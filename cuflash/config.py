@@ -72,6 +72,12 @@ class KernelConfig:
         return 32 * self.warps
 
     @property
+    def label(self) -> str:
+        """A short description for progress lines ("flash_fwd bfloat16 d=128"; no d= for kernels
+        compiled for every head dim)."""
+        return f"{self.kernel} {self.dtype}" + (f" d={self.head_dim}" if self.head_dim else "")
+
+    @property
     def template_name(self) -> str:
         def arg(field):
             value = getattr(self, field)

@@ -313,7 +313,7 @@ class Runner:
         self.suite = "precompile"
 
         def done(cfg, k, n):
-            self.step(f"{k}/{n} kernel configs ({cfg.kernel} {cfg.dtype} d={cfg.head_dim})")
+            self.step(f"{k}/{n} kernel configs ({cfg.label})")
 
         try:
             from .. import _compile
