@@ -8,5 +8,7 @@
 __version__ = "0.1.0"
 
 from .api import flash_attn, flash_attn_backward, flash_attn_forward  # noqa: E402
+from ._merge import merge_states, merge_states_list  # noqa: E402
 
-__all__ = ["flash_attn", "flash_attn_forward", "flash_attn_backward", "__version__"]
+__all__ = ["flash_attn", "flash_attn_forward", "flash_attn_backward", "merge_states", "merge_states_list",
+           "__version__"]
