@@ -341,6 +341,9 @@ def _check_all(shard_lists, names, causal):
     for n, lst in zip(names, shard_lists):
         if len(lst) != world:
             raise ValueError(f"simulated ring: {len(lst)} {n} shards, {world} q shards")
+        for x in lst:
+            if not (_interop.is_numpy(x) or _interop.is_cupy(x)):
+                raise TypeError(f"simulated ring: {n} shards must be NumPy or CuPy arrays, got {type(x).__name__}")
         if len({tuple(x.shape) for x in lst}) != 1:
             raise ValueError(f"simulated ring: the {n} shards differ in shape")
     return world
