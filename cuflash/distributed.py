@@ -71,13 +71,33 @@ def _dtype_name(x) -> str:
 _ALL = slice(None)
 
 
+def _bits(x):
+    """A 16-bit view of a bfloat16 array (CuPy copies and concatenates bfloat16 only as raw bits)."""
+    return x.view(np.uint16) if _dtype_name(x) == "bfloat16" else x
+
+
+def _contig(x, xp):
+    """x as a C-contiguous array (a copy only where x is not), every dtype."""
+    if x.flags.c_contiguous:
+        return x
+    return xp.ascontiguousarray(_bits(x)).view(x.dtype)
+
+
+def _copy(x, xp):
+    return xp.array(_bits(x), copy=True).view(x.dtype)
+
+
+def _concat(parts, axis, xp):
+    return xp.concatenate([_bits(p) for p in parts], axis=axis).view(parts[0].dtype)
+
+
 def _cut(x, sl, xp):
     """x[:, sl] (sequence dim 1), contiguous."""
-    return x if sl == _ALL else xp.ascontiguousarray(x[:, sl])
+    return x if sl == _ALL else _contig(x[:, sl], xp)
 
 
 def _cut_lse(x, sl, xp):
-    return x if sl == _ALL else xp.ascontiguousarray(x[:, :, sl])
+    return x if sl == _ALL else _contig(x[:, :, sl], xp)
 
 
 def _check_shards(q, k, v, causal, what="ring attention"):
@@ -137,7 +157,7 @@ def zigzag_shard(x, rank: int, world: int, dim: int = 1):
     for ch in (rank, 2 * world - 1 - rank):
         idx[dim] = slice(ch * c, (ch + 1) * c)
         parts.append(x[tuple(idx)])
-    return xp.concatenate(parts, axis=dim)
+    return _concat(parts, dim, xp)
 
 
 def zigzag_unshard(shards, dim: int = 1):
@@ -157,7 +177,7 @@ def zigzag_unshard(shards, dim: int = 1):
         for half, ch in enumerate((r, 2 * world - 1 - r)):
             idx[dim] = slice(half * c, (half + 1) * c)
             chunks[ch] = s[tuple(idx)]
-    return xp.concatenate(chunks, axis=dim)
+    return _concat(chunks, dim, xp)
 
 
 def step_tasks(rank: int, src: int, world: int, local_len: int, causal: bool):
@@ -308,7 +328,7 @@ class SimulatedRing:
             raise ValueError(f"SimulatedRing: {len(payloads)} payloads for world {self.world}")
         if self.skip_comm:
             return [list(p) for p in payloads]
-        return [[a.copy() for a in payloads[(r - 1) % self.world]] for r in range(self.world)]
+        return [[_copy(a, _xp(a)) for a in payloads[(r - 1) % self.world]] for r in range(self.world)]
 
 
 def _drive_lockstep(gens, ring: SimulatedRing):
@@ -466,8 +486,10 @@ class NcclRing:
         from cupy.cuda import nccl
 
         compute = cupy.cuda.get_current_stream()
-        sends = [cupy.ascontiguousarray(a) for a in send_arrays]
-        recvs = [cupy.empty_like(a) for a in sends]
+        sends = [_contig(a, cupy) for a in send_arrays]
+        recvs = [cupy.empty(a.shape, dtype=cupy.uint8 if a.itemsize == 1 else
+                            {2: cupy.uint16, 4: cupy.uint32, 8: cupy.uint64}[a.itemsize]).view(a.dtype)
+                 for a in sends]
         ready = compute.record()
         self.stream.wait_event(ready)
         nccl.groupStart()

@@ -20,15 +20,14 @@ class _LoopbackComm:
 def _shard(x, world, causal, dim=1):
     if causal:
         return [D.zigzag_shard(x, r, world, dim=dim) for r in range(world)]
-    xp = np if isinstance(x, np.ndarray) else __import__("cupy")
-    return xp.split(x, world, axis=dim)
+    n = x.shape[dim] // world
+    return [x[(slice(None),) * dim + (slice(r * n, (r + 1) * n),)] for r in range(world)]
 
 
 def _unshard(shards, causal, dim=1):
     if causal:
         return D.zigzag_unshard(shards, dim=dim)
-    xp = np if isinstance(shards[0], np.ndarray) else __import__("cupy")
-    return xp.concatenate(shards, axis=dim)
+    return D._concat(list(shards), dim, np if isinstance(shards[0], np.ndarray) else __import__("cupy"))
 
 
 def _problem(rng, dtype, world, b=2, c=5, h=4, hk=2, d=16):
@@ -212,16 +211,16 @@ def test_simulated_ring_cuda(dtype, causal):
     import cupy as cp
 
     from cuflash import reference
-    from cuflash.config import numpy_dtype
+    from cuflash._merge import from_acc, to_acc
 
     world, b, c, h, hk, d = 2, 1, 64, 4, 2, 64
     n = 2 * world * c
     rs = cp.random.RandomState(11)
-    mk = lambda heads: rs.standard_normal((b, n, heads, d), dtype=cp.float32).astype(numpy_dtype(dtype))  # noqa
+    mk = lambda heads: from_acc(rs.standard_normal((b, n, heads, d), dtype=cp.float32), dtype, cp)  # noqa
     q, k, v, do = mk(h), mk(hk), mk(hk), mk(h)
     o_ref, lse_ref = cuflash.flash_attn_forward(q, k, v, causal=causal, backend="cuda")
     g_ref = cuflash.flash_attn_backward(do, q, k, v, o_ref, lse_ref, causal=causal, backend="cuda")
-    f64 = lambda x: x.astype(cp.float64)  # noqa: E731
+    f64 = lambda x: to_acc(x, cp).astype(cp.float64)  # noqa: E731 (bf16 through its bits)
     o64, _ = reference.forward(f64(q), f64(k), f64(v), causal=causal)
     g64 = reference.backward(f64(do), f64(q), f64(k), f64(v), causal=causal)
     o, lse, dq, dk, dv = _run(q, k, v, do, world, causal, "cuda")
