@@ -7,6 +7,8 @@
 
 __version__ = "0.1.0"
 
+from ._philox import dropout_mask  # noqa: E402
+
 from .api import flash_attn, flash_attn_backward, flash_attn_forward  # noqa: E402
 
 __all__ = ["flash_attn", "flash_attn_forward", "flash_attn_backward", "__version__"]

@@ -82,11 +82,11 @@ def m_block_range(n_block, block_m, block_n, seqlen_q, seqlen_k, left, right) ->
     return lo // block_m, ceil_div(hi, block_m)
 
 
-def block_needs_mask(row0, row1, col0, col1, seqlen_q, seqlen_k, left, right, block_n=None) -> bool:
-    """Does a tile hold a score that some row must not see? (rows [row0, row1), cols [col0, col1));
-    block_n given: a tile cut short by seqlen_k counts as needing the mask, as in the kernels."""
+def block_needs_mask(row0, row1, col0, col1, seqlen_q, seqlen_k, left, right) -> bool:
+    """Does a tile hold a score that some row must not see? rows [row0, row1), cols [col0, col1), col1
+    the block's full end (a tile that crosses seqlen_k needs the mask, as in the kernels)."""
     shift = seqlen_k - seqlen_q
-    if col1 > seqlen_k or (block_n is not None and col0 + block_n > seqlen_k):
+    if col1 > seqlen_k:
         return True
     if right >= 0 and col1 - 1 > row0 + shift + right:
         return True
