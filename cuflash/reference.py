@@ -91,6 +91,12 @@ def _from_groups(x):
     return x.reshape(b, hk * g, s, d).transpose(0, 2, 1, 3)
 
 
+def _visible(seqlen_q, seqlen_k, causal, xp, window=_mask.NO_WINDOW):
+    """(seqlen_q, seqlen_k) bool: query row i sees key j (bottom-right causal, the window)."""
+    left, right = _mask.effective_window(causal, window)
+    return _mask.visible(xp.arange(seqlen_q), xp.arange(seqlen_k), seqlen_q, seqlen_k, left, right, xp)
+
+
 def _check_shapes(q, k, v):
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError("q, k, v must be 4-D (batch, seqlen, nheads, head_dim)")
@@ -118,7 +124,6 @@ def _probs(q, k, v, causal, softmax_scale, precision, window=_mask.NO_WINDOW, so
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     group = nheads // nheads_k
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
-    left, right = _mask.effective_window(causal, window)
 
     qg = _to_groups(q, nheads_k, cdt, rnd)  # (B, Hk, G, Sq, D)
     kg = _to_groups(k, nheads_k, cdt, rnd)  # (B, Hk, 1, Sk, D)
@@ -133,7 +138,7 @@ def _probs(q, k, v, causal, softmax_scale, precision, window=_mask.NO_WINDOW, so
     if alibi_slopes is not None:
         slopes = _grouped_heads(alibi_slopes, b, nheads_k, group, xp, cdt)
         logits = logits + _mask.alibi_bias(slopes, rows, cols, seqlen_q, seqlen_k, xp)
-    visible = _mask.visible(rows, cols, seqlen_q, seqlen_k, left, right, xp)
+    visible = _visible(seqlen_q, seqlen_k, causal, xp, window)
     scores = xp.where(visible, logits, cdt(-math.inf))
     # Rows that see no key: max is -inf; subtract 0 instead so exp gives 0, not NaN.
     if scores.shape[-1]:
