@@ -26,11 +26,12 @@ from .config import numpy_dtype
 # object (one chain of identity tests); anything else, an explicit 0.0 included, takes the general path.
 NO_WINDOW = _mask.NO_WINDOW
 _OFF = 0.0
+_ZERO = 0
 
 
 def _plain(window, softcap, alibi_slopes, dropout_p, seed, offset) -> bool:
     return (window is NO_WINDOW and softcap is _OFF and alibi_slopes is None and dropout_p is _OFF
-            and seed is 0 and offset is 0)  # noqa: F632 (small ints are one object)
+            and seed is _ZERO and offset is _ZERO)
 
 
 def _choose(name: str) -> tuple[str, bool]:
@@ -152,7 +153,7 @@ def _working_variants(call, kw: dict) -> dict:
 
 
 def flash_attn_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", backend="auto", out=None,
-                       window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=0, offset=0):
+                       window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
     """Exact attention and its log-sum-exp: returns (o, lse).
 
     o = softmax(softmax_scale * q k^T [+ causal mask]) v, the same shape and dtype as q;
@@ -177,7 +178,7 @@ def flash_attn_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bsh
                     out=out, key=key, window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)
 
 
-def _forward(q, k, v, *, causal, softmax_scale, layout, backend, out, key=None, window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=0, offset=0):
+def _forward(q, k, v, *, causal, softmax_scale, layout, backend, out, key=None, window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
     """The general path of flash_attn_forward; with a key, it may leave a plan for the signature."""
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
         _checks.check_array(name, x, optional=name == "out")
@@ -212,7 +213,7 @@ def _forward(q, k, v, *, causal, softmax_scale, layout, backend, out, key=None, 
 
 
 def flash_attn(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, layout="bshd", backend="auto", out=None,
-               window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=0, offset=0):
+               window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
     """Exact attention o = softmax(softmax_scale * q k^T) v; with return_lse=True, (o, lse).
     The variant arguments are flash_attn_forward's."""
     if return_lse.__class__ is not bool:  # the check only where it can fail: this runs on every call
@@ -223,7 +224,7 @@ def flash_attn(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, l
 
 
 def flash_attn_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, layout="bshd", backend="auto",
-                        deterministic=False, dq=None, dk=None, dv=None, window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=0, offset=0):
+                        deterministic=False, dq=None, dk=None, dv=None, window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
     """Gradients (dq, dk, dv) of the forward call that produced (o, lse), given dout = dL/do.
 
     P is recomputed from q, k and lse; no N x N matrix is stored. dq=, dk=, dv=, when given, receive
@@ -244,7 +245,7 @@ def flash_attn_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None
 
 
 def _backward(do, q, k, v, o, lse, *, causal, softmax_scale, layout, backend, deterministic, dq=None, dk=None,
-              dv=None, key=None, window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=0, offset=0):
+              dv=None, key=None, window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
     """The general path of flash_attn_backward; with a key, it may leave a plan for the signature."""
     for name, x in (("dout", do), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse),
                     ("dq", dq), ("dk", dk), ("dv", dv)):
@@ -291,4 +292,124 @@ def _backward(do, q, k, v, o, lse, *, causal, softmax_scale, layout, backend, de
     return tuple(a if x is not None else call.result(a) for a, x in zip(arrs, (dq, dk, dv)))
 
 
-__all__ = ["flash_attn", "flash_attn_forward", "flash_attn_backward"]
+# --- variable-length batches -------------------------------------------------------------------------------
+
+
+def _varlen_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                   check_inputs, variants):
+    """Validation shared by the varlen forward and backward: (dtype, scale, backend kwargs, what)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _checks.check_array(name, x)
+        _checks.check_ndim_packed(name, x)
+    causal = _checks.check_flag("causal", causal)
+    check_inputs = _checks.check_flag("check_inputs", check_inputs)
+    dt = _checks.check_dtype("q", q)
+    _checks.check_same_dtype(dt, k=k, v=v)
+    _checks.check_qkv(q[None], k[None], v[None])
+    _checks.check_cu_seqlens_dtype("cu_seqlens_q", cu_seqlens_q)
+    _checks.check_cu_seqlens_dtype("cu_seqlens_k", cu_seqlens_k)
+    batch = _checks.check_cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k)
+    longest = {}
+    for name, cu, x, packed in (("cu_seqlens_q", cu_seqlens_q, q, "q"), ("cu_seqlens_k", cu_seqlens_k, k, "k")):
+        # Reading device values needs a sync: only with check_inputs=True.
+        if _interop.is_numpy(cu) or check_inputs:
+            longest[name] = _checks.check_cu_seqlens_values(name, _interop.to_host(cu), int(x.shape[0]), packed)
+    _checks.check_max_seqlen("max_seqlen_q", max_seqlen_q, longest.get("cu_seqlens_q"))
+    _checks.check_max_seqlen("max_seqlen_k", max_seqlen_k, longest.get("cu_seqlens_k"))
+    scale = _checks.check_softmax_scale(softmax_scale, q.shape[-1])
+    vkw, what = _variants(causal, *variants, batch, q.shape[1])
+    return causal, dt, scale, vkw, ["varlen", *what]
+
+
+def flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                              softmax_scale=None, backend="auto", out=None, check_inputs=False, window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
+    """Attention over a batch of sequences of different lengths, packed: returns (o, lse).
+
+    q (total_q, nheads, head_dim), k, v (total_k, nheads_k, head_dim); cu_seqlens_q, cu_seqlens_k int32
+    (batch + 1,) cumulative lengths from 0 (sequence i is rows cu[i]:cu[i + 1]; empty sequences are
+    allowed); max_seqlen_q, max_seqlen_k the longest lengths. o like q, lse (nheads, total_q). Each
+    sequence is attended on its own, with the dense functions' semantics and variants (for dropout
+    the batch index is the sequence index). cu_seqlens held on the host are always checked; device
+    arrays only with check_inputs=True (it costs a sync). NumPy backend only for now.
+    """
+    causal, dt, scale, vkw, what = _varlen_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                  causal, softmax_scale, check_inputs,
+                                                  (window, softcap, alibi_slopes, dropout_p, seed, offset))
+    _checks.check_array("out", out, optional=True)
+    if out is not None:
+        _checks.check_out(out, tuple(q.shape), dt, {"q": q, "k": k, "v": v})
+    call = _Call(q, "bshd", backend, {"q": q, "k": k, "v": v, "out": out, "cu_seqlens_q": cu_seqlens_q,
+                                      "cu_seqlens_k": cu_seqlens_k, "alibi_slopes": alibi_slopes}, what)
+    with call.context():
+        o_arr, o_work = call.new(q.shape, numpy_dtype(dt)) if out is None else (out, call.working_out(out))
+        lse_arr, lse = call.new((q.shape[1], q.shape[0]), lse_dtype(dt))
+        ins = [call.working(n, x) for n, x in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
+                                                ("cu_seqlens_k", cu_seqlens_k))]
+        call.be.varlen_forward(*ins, causal=causal, softmax_scale=scale, out=o_work, lse=lse,
+                               **_working_variants(call, vkw))
+    if out is None:
+        return call.result(o_arr), call.result(lse_arr)
+    call.write_back(out, o_work)
+    return out, call.result(lse_arr)
+
+
+def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                      softmax_scale=None, return_lse=False, backend="auto", out=None, check_inputs=False, window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
+    """flash_attn_varlen_forward's o; with return_lse=True, (o, lse)."""
+    return_lse = _checks.check_flag("return_lse", return_lse)
+    o, lse = flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                       causal=causal, softmax_scale=softmax_scale, backend=backend, out=out,
+                                       check_inputs=check_inputs, window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)
+    return (o, lse) if return_lse else o
+
+
+def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                               causal=False, softmax_scale=None, backend="auto", deterministic=False, dq=None,
+                               dk=None, dv=None, check_inputs=False, window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
+    """Gradients (dq, dk, dv) of the flash_attn_varlen_forward call that produced (o, lse); the same
+    arguments as that call (dout and o like q, lse (nheads, total_q))."""
+    causal, dt, scale, vkw, what = _varlen_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                  causal, softmax_scale, check_inputs,
+                                                  (window, softcap, alibi_slopes, dropout_p, seed, offset))
+    deterministic = _checks.check_flag("deterministic", deterministic)
+    for name, x in (("dout", do), ("o", o), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
+        _checks.check_array(name, x, optional=name in ("dq", "dk", "dv"))
+    for name, x in (("dout", do), ("o", o)):
+        _checks.check_like(name, x, tuple(q.shape), dt)
+    if tuple(lse.shape) != (q.shape[1], q.shape[0]):
+        raise ValueError(f"lse: expected shape {(q.shape[1], q.shape[0])} (nheads, total_q), got {tuple(lse.shape)}")
+    _checks.check_lse(lse, tuple(lse.shape), lse_dtype(dt))
+    inputs = {"dout": do, "q": q, "k": k, "v": v, "o": o, "lse": lse}
+    grads = {"dq": dq, "dk": dk, "dv": dv}
+    for name, x, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if x is not None:
+            others = {**inputs, **{n: y for n, y in grads.items() if n != name and y is not None}}
+            _checks.check_out(x, tuple(like.shape), dt, others, name=name)
+    call = _Call(q, "bshd", backend, {**inputs, **grads, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+                                      "alibi_slopes": alibi_slopes}, what)
+    with call.context():
+        arrs, works = zip(*((x, call.working_out(x)) if x is not None else call.new(like.shape, numpy_dtype(dt))
+                            for x, like in ((dq, q), (dk, k), (dv, v))))
+        ins = [call.working(n, x) for n, x in (("dout", do), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse),
+                                                ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))]
+        call.be.varlen_backward(*ins, causal=causal, softmax_scale=scale, deterministic=deterministic,
+                                dq=works[0], dk=works[1], dv=works[2], **_working_variants(call, vkw))
+    for x, w in zip((dq, dk, dv), works):
+        if x is not None:
+            call.write_back(x, w)
+    return tuple(a if x is not None else call.result(a) for a, x in zip(arrs, (dq, dk, dv)))
+
+
+def dropout_mask(batch, nheads, seqlen_q, seqlen_k, *, dropout_p, seed, offset=0):
+    """The boolean keep mask (batch, nheads, seqlen_q, seqlen_k), NumPy, that every backend uses for these
+    dropout arguments (True: kept and scaled by 1 / (1 - dropout_p)). The generator is specified in
+    cuflash/_philox.py: Philox4x32-10, key (seed & 0xFFFFFFFF, seed >> 32), counter
+    (col // 4, row, batch * nheads + head, offset), word col % 4, kept iff >= floor(dropout_p * 2**32)."""
+    sizes = [_checks.check_count(n, x) for n, x in (("batch", batch), ("nheads", nheads), ("seqlen_q", seqlen_q),
+                                                    ("seqlen_k", seqlen_k))]
+    return _philox.dropout_mask(*sizes, dropout_p=_checks.check_dropout_p(dropout_p), seed=_checks.check_seed(seed),
+                                offset=_checks.check_offset(offset))
+
+
+__all__ = ["flash_attn", "flash_attn_forward", "flash_attn_backward", "flash_attn_varlen",
+           "flash_attn_varlen_forward", "flash_attn_varlen_backward", "dropout_mask"]

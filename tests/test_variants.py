@@ -313,3 +313,164 @@ def test_varlen_float32_and_out():
     want_o, want_lse = ref.forward(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     assert_close((o, lse), (want_o, want_lse), 2e-6, NAMES[:2])
     assert np.allclose(cuflash.flash_attn_varlen(q, k, v, cu_q, cu_k, 40, 60, causal=True, backend="numpy"), o)
+
+
+# --- the public API: checks, the plan cache, backends without the variants --------------------------------
+
+
+def _qkv(b=1, sq=8, sk=8, h=2, hk=1, d=16, dtype=np.float32):
+    return make(b, sq, sk, h, hk, d, dtype=dtype)[:3]
+
+
+BAD = [
+    (dict(window=5), TypeError, "window: expected a pair of ints"),
+    (dict(window=(1.0, 2)), TypeError, "window: expected a pair of ints"),
+    (dict(window=(1, 2, 3)), TypeError, "window: expected a pair of ints"),
+    (dict(window=(True, 2)), TypeError, "window: expected a pair of ints"),
+    (dict(window=(-2, 3)), ValueError, "window: each side must be >= -1"),
+    (dict(softcap="1"), TypeError, "softcap: expected a real number"),
+    (dict(softcap=-0.5), ValueError, r"softcap: expected 0 \(off\) or a finite positive number"),
+    (dict(softcap=float("inf")), ValueError, r"softcap: expected 0 \(off\)"),
+    (dict(dropout_p=1.0), ValueError, r"dropout_p: expected a number in \[0, 1\)"),
+    (dict(dropout_p=-0.1), ValueError, "dropout_p: expected a number in"),
+    (dict(dropout_p="0.1"), TypeError, "dropout_p: expected a real number"),
+    (dict(dropout_p=0.1, seed=-1), ValueError, r"seed: expected 0 <= seed < 2\*\*64"),
+    (dict(dropout_p=0.1, seed=2**64), ValueError, "seed: expected 0 <= seed"),
+    (dict(dropout_p=0.1, seed=1.0), TypeError, "seed: expected an int"),
+    (dict(offset=-3), ValueError, "offset: expected 0 <= offset"),
+    (dict(offset="3"), TypeError, "offset: expected an int"),
+    (dict(alibi_slopes=[0.1, 0.2]), TypeError, "alibi_slopes: expected a NumPy or CuPy array"),
+    (dict(alibi_slopes=np.ones(2, np.float64)), TypeError, "alibi_slopes: dtype must be float32"),
+    (dict(alibi_slopes=np.ones(3, np.float32)), ValueError, r"alibi_slopes: expected shape \(2,\) or \(1, 2\)"),
+    (dict(alibi_slopes=np.ones((2, 2), np.float32)), ValueError, "alibi_slopes: expected shape"),
+]
+
+
+@pytest.mark.parametrize("kw,exc,msg", BAD)
+def test_bad_variant_arguments(kw, exc, msg):
+    q, k, v = _qkv()
+    with pytest.raises(exc, match=msg):
+        cuflash.flash_attn(q, k, v, backend="numpy", **kw)
+    o, lse = cuflash.flash_attn_forward(q, k, v, backend="numpy")
+    with pytest.raises(exc, match=msg):
+        cuflash.flash_attn_backward(q, q, k, v, o, lse, backend="numpy", **kw)
+    cu = np.array([0, 8], np.int32)
+    with pytest.raises(exc, match=msg):
+        cuflash.flash_attn_varlen(q[0], k[0], v[0], cu, cu, 8, 8, backend="numpy", **kw)
+
+
+BAD_CU = [
+    (np.array([0, 8], np.int64), None, TypeError, "cu_seqlens_q: dtype must be int32"),
+    ([0, 8], None, TypeError, "cu_seqlens_q: expected a NumPy or CuPy array"),
+    (np.array([[0, 8]], np.int32), None, ValueError, "cu_seqlens_q: expected a 1-D array"),
+    (np.array([1, 8], np.int32), None, ValueError, "cu_seqlens_q: must start at 0"),
+    (np.array([0, 6, 4, 8], np.int32), np.array([0, 2, 4, 8], np.int32), ValueError, "cu_seqlens_q: must not decrease"),
+    (np.array([0, 7], np.int32), None, ValueError, r"cu_seqlens_q: the last value must equal q's length \(total tokens 8\)"),
+    (None, np.array([0, 4, 8], np.int32), ValueError, r"cu_seqlens_k: expected length 2"),
+    (None, np.array([0, 9], np.int32), ValueError, "cu_seqlens_k: the last value must equal k's length"),
+]
+
+
+@pytest.mark.parametrize("cu_q,cu_k,exc,msg", BAD_CU)
+def test_bad_cu_seqlens(cu_q, cu_k, exc, msg):
+    q, k, v = (x[0] for x in _qkv())
+    good = np.array([0, 8], np.int32)
+    cu_q = good if cu_q is None else cu_q
+    cu_k = good if cu_k is None else cu_k
+    with pytest.raises(exc, match=msg):
+        cuflash.flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 8, 8, backend="numpy")
+
+
+def test_bad_varlen_other_arguments():
+    q, k, v = (x[0] for x in _qkv())
+    cu = np.array([0, 8], np.int32)
+    with pytest.raises(ValueError, match="max_seqlen_q: must be >= the longest sequence"):
+        cuflash.flash_attn_varlen_forward(q, k, v, cu, cu, 7, 8, backend="numpy")
+    with pytest.raises(TypeError, match="max_seqlen_k: expected an int"):
+        cuflash.flash_attn_varlen_forward(q, k, v, cu, cu, 8, 8.0, backend="numpy")
+    with pytest.raises(ValueError, match="q: expected a 3-D packed array"):
+        cuflash.flash_attn_varlen_forward(q[None], k, v, cu, cu, 8, 8, backend="numpy")
+    with pytest.raises(TypeError, match="check_inputs: expected a bool"):
+        cuflash.flash_attn_varlen_forward(q, k, v, cu, cu, 8, 8, backend="numpy", check_inputs=1)
+    o, lse = cuflash.flash_attn_varlen_forward(q, k, v, cu, cu, 8, 8, backend="numpy")
+    with pytest.raises(ValueError, match=r"lse: expected shape \(2, 8\) \(nheads, total_q\)"):
+        cuflash.flash_attn_varlen_backward(q, q, k, v, o, lse.T.copy(), cu, cu, 8, 8, backend="numpy")
+    with pytest.raises(ValueError, match="seqlen_q: expected an int >= 0"):
+        cuflash.dropout_mask(1, 1, -1, 3, dropout_p=0.1, seed=0)
+    with pytest.raises(ValueError, match="dropout_p: expected a number in"):
+        cuflash.dropout_mask(1, 1, 1, 3, dropout_p=1.5, seed=0)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "numba"])
+@pytest.mark.parametrize("kw,what", [
+    (dict(window=(4, 4)), "window"), (dict(softcap=1.0), "softcap"),
+    (dict(alibi_slopes=np.ones(2, np.float32)), "alibi_slopes"), (dict(dropout_p=0.1, seed=1), "dropout"),
+    (dict(causal=True, window=(3, 0), softcap=2.0), "window, softcap"),
+])
+def test_backends_without_variants_refuse(backend, kw, what):
+    q, k, v = _qkv()
+    msg = f"backend='{backend}' does not implement {what} yet; pass backend='numpy'"
+    with pytest.raises(RuntimeError, match=re_escape(msg)):
+        cuflash.flash_attn(q, k, v, backend=backend, **kw)
+    o, lse = cuflash.flash_attn_forward(q, k, v, backend="numpy")
+    with pytest.raises(RuntimeError, match=re_escape(msg)):
+        cuflash.flash_attn_backward(q, q, k, v, o, lse, backend=backend, **kw)
+
+
+def re_escape(s):
+    import re
+
+    return re.escape(s)
+
+
+def test_varlen_refused_by_cuda_and_auto_picking_cuda(monkeypatch):
+    q, k, v = (x[0] for x in _qkv())
+    cu = np.array([0, 8], np.int32)
+    with pytest.raises(RuntimeError, match=re_escape("backend='cuda' does not implement varlen yet; pass backend='numpy'")):
+        cuflash.flash_attn_varlen(q, k, v, cu, cu, 8, 8, backend="cuda")
+    # auto on a machine with a GPU picks cuda: the variant is refused, and the message says auto chose it
+    monkeypatch.setattr(api._interop, "gpu_status", lambda: (True, ""))
+    with pytest.raises(RuntimeError, match=re_escape("backend='cuda' (chosen by backend='auto') does not implement "
+                                                     "varlen, softcap yet; pass backend='numpy'")):
+        cuflash.flash_attn_varlen(q, k, v, cu, cu, 8, 8, softcap=3.0)
+    with pytest.raises(RuntimeError, match=re_escape("(chosen by backend='auto') does not implement window yet")):
+        cuflash.flash_attn(q[None], k[None], v[None], window=(1, 1))
+    # the check itself: silent for numpy and for plain calls
+    _checks.check_backend_variants("numpy", False, ["window"])
+    _checks.check_backend_variants("cuda", True, [])
+
+
+def test_window_that_is_only_causal_is_plain():
+    """causal with window (-1, 0) or (-1, 5) is plain causal attention: no variant to refuse."""
+    _, what = api._variants(True, (-1, 5), 0.0, None, 0.0, 0, 0, 1, 2)
+    assert what == []
+    _, what = api._variants(False, (-1, 5), 0.0, None, 0.0, 0, 0, 1, 2)
+    assert what == ["window"]
+
+
+def test_plan_cache_only_for_plain_calls(monkeypatch):
+    """A call with any variant argument away from its default object never computes a plan key."""
+    calls = []
+    monkeypatch.setattr(api._plan, "forward_key", lambda *a: calls.append("f"))
+    monkeypatch.setattr(api._plan, "backward_key", lambda *a: calls.append("b"))
+    q, k, v = _qkv()
+    for kw in (dict(window=(2, 2)), dict(softcap=0.0), dict(dropout_p=0.2, seed=4), dict(offset=1),
+               dict(alibi_slopes=np.ones(2, np.float32))):
+        o, lse = cuflash.flash_attn_forward(q, k, v, backend="numpy", **kw)
+        cuflash.flash_attn_backward(q, q, k, v, o, lse, backend="numpy", **kw)
+    assert calls == []
+    o, lse = cuflash.flash_attn_forward(q, k, v, backend="numpy")
+    cuflash.flash_attn_backward(q, q, k, v, o, lse, backend="numpy")
+    assert calls == ["f", "b"]
+
+
+def test_api_variants_match_backend():
+    q, k, v, do = make(2, 50, 70, 4, 2, 16, seed=9)
+    kw = dict(causal=True, window=(20, 3), softcap=1.2, alibi_slopes=slopes((2, 4)), dropout_p=0.2, seed=3, offset=5)
+    o, lse = cuflash.flash_attn_forward(q, k, v, backend="numpy", **kw)
+    grads = cuflash.flash_attn_backward(do, q, k, v, o, lse, backend="numpy", **kw)
+    assert_close((o, lse, *grads), oracle(q, k, v, do, **kw), 1e-12)
+    # bhsd layout through the same keywords
+    t = lambda x: np.ascontiguousarray(x.transpose(0, 2, 1, 3))  # noqa: E731
+    o2 = cuflash.flash_attn(t(q), t(k), t(v), layout="bhsd", backend="numpy", **kw)
+    assert np.allclose(o2.transpose(0, 2, 1, 3), o, rtol=0, atol=1e-13)
