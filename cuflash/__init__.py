@@ -7,8 +7,17 @@
 
 __version__ = "0.1.0"
 
-from .api import flash_attn, flash_attn_backward, flash_attn_forward  # noqa: E402
 from ._merge import merge_states, merge_states_list  # noqa: E402
+from .api import (  # noqa: E402
+    dropout_mask,
+    flash_attn,
+    flash_attn_backward,
+    flash_attn_forward,
+    flash_attn_varlen,
+    flash_attn_varlen_backward,
+    flash_attn_varlen_forward,
+)
 
-__all__ = ["flash_attn", "flash_attn_forward", "flash_attn_backward", "merge_states", "merge_states_list",
-           "__version__"]
+__all__ = ["flash_attn", "flash_attn_forward", "flash_attn_backward", "flash_attn_varlen",
+           "flash_attn_varlen_forward", "flash_attn_varlen_backward", "dropout_mask", "merge_states",
+           "merge_states_list", "__version__"]

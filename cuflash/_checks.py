@@ -190,3 +190,134 @@ def check_batch(batch: int, limit: int = 65535) -> None:
     """The CUDA grid's z dimension carries the batch."""
     if batch > limit:
         raise ValueError(f"q: batch must be <= {limit} for the CUDA kernels, got {batch}")
+
+
+# --- attention variants (window, softcap, ALiBi, dropout) and variable-length batches -------------------
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
+def check_window(window) -> tuple[int, int]:
+    """window=(left, right): a pair of ints, each >= -1 (-1: unbounded on that side)."""
+    if not isinstance(window, (tuple, list)) or len(window) != 2 or not all(_is_int(x) for x in window):
+        raise TypeError(f"window: expected a pair of ints (left, right), -1 for unbounded, got {window!r}")
+    left, right = int(window[0]), int(window[1])
+    if left < -1 or right < -1:
+        raise ValueError(f"window: each side must be >= -1 (-1: unbounded), got {(left, right)}")
+    return left, right
+
+
+def check_softcap(softcap) -> float:
+    """softcap: a real number, 0 (off) or finite and > 0."""
+    if not _is_real(softcap):
+        raise TypeError(f"softcap: expected a real number (0 for off), got {softcap!r} of type {type(softcap).__name__}")
+    c = float(softcap)
+    if not math.isfinite(c) or c < 0:
+        raise ValueError(f"softcap: expected 0 (off) or a finite positive number, got {softcap!r}")
+    return c
+
+
+def check_dropout_p(dropout_p) -> float:
+    if not _is_real(dropout_p):
+        raise TypeError(f"dropout_p: expected a real number in [0, 1), got {dropout_p!r} of type "
+                        f"{type(dropout_p).__name__}")
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:  # NaN fails too
+        raise ValueError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
+    return p
+
+
+def check_seed(seed) -> int:
+    if not _is_int(seed):
+        raise TypeError(f"seed: expected an int, got {seed!r} of type {type(seed).__name__}")
+    if not 0 <= int(seed) < 2**64:
+        raise ValueError(f"seed: expected 0 <= seed < 2**64, got {seed}")
+    return int(seed)
+
+
+def check_offset(offset) -> int:
+    if not _is_int(offset):
+        raise TypeError(f"offset: expected an int, got {offset!r} of type {type(offset).__name__}")
+    if not 0 <= int(offset) < 2**32:
+        raise ValueError(f"offset: expected 0 <= offset < 2**32 (the fourth Philox counter word), got {offset}")
+    return int(offset)
+
+
+def check_count(name: str, value) -> int:
+    """A size argument: an int >= 0."""
+    if not _is_int(value):
+        raise TypeError(f"{name}: expected an int, got {value!r} of type {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name}: expected an int >= 0, got {value}")
+    return int(value)
+
+
+def check_alibi_slopes(slopes, batch: int, nheads: int) -> None:
+    """alibi_slopes: a float32 array of shape (nheads,) or (batch, nheads)."""
+    check_array("alibi_slopes", slopes)
+    if "float32" not in str(slopes.dtype):
+        raise TypeError(f"alibi_slopes: dtype must be float32, got {slopes.dtype}")
+    shape = tuple(slopes.shape)
+    if shape not in ((nheads,), (batch, nheads)):
+        raise ValueError(f"alibi_slopes: expected shape ({nheads},) or ({batch}, {nheads}) (nheads or batch, nheads), "
+                         f"got {shape}")
+
+
+def check_ndim_packed(name: str, x) -> None:
+    if x.ndim != 3:
+        raise ValueError(f"{name}: expected a 3-D packed array (total_tokens, nheads, head_dim), got {x.ndim}-D "
+                         f"with shape {tuple(x.shape)}")
+
+
+def check_cu_seqlens_dtype(name: str, cu) -> None:
+    check_array(name, cu)
+    dt = str(cu.dtype)
+    if not dt.endswith("int32") or dt.endswith("uint32"):
+        raise TypeError(f"{name}: dtype must be int32, got {cu.dtype}")
+    if cu.ndim != 1 or cu.shape[0] < 1:
+        raise ValueError(f"{name}: expected a 1-D array of length batch + 1 >= 1, got shape {tuple(cu.shape)}")
+
+
+def check_cu_seqlens_pair(cu_q, cu_k) -> int:
+    """The two cumulative-length arrays have the same length, batch + 1: returns batch."""
+    if cu_q.shape[0] != cu_k.shape[0]:
+        raise ValueError(f"cu_seqlens_k: expected length {cu_q.shape[0]} (batch + 1, as cu_seqlens_q), "
+                         f"got {cu_k.shape[0]}")
+    return int(cu_q.shape[0]) - 1
+
+
+def check_cu_seqlens_values(name: str, values, total: int, packed: str) -> int:
+    """Host values of a cumulative-length array: start at 0, never decrease, end at the packed array's
+    length. Returns the largest sequence length."""
+    values = np.asarray(values, dtype=np.int64)
+    if values[0] != 0:
+        raise ValueError(f"{name}: must start at 0, got {int(values[0])}")
+    steps = np.diff(values)
+    if (steps < 0).any():
+        at = int(np.nonzero(steps < 0)[0][0])
+        raise ValueError(f"{name}: must not decrease, got {int(values[at])} then {int(values[at + 1])} at index {at}")
+    if values[-1] != total:
+        raise ValueError(f"{name}: the last value must equal {packed}'s length (total tokens {total}), "
+                         f"got {int(values[-1])}")
+    return int(steps.max()) if steps.size else 0
+
+
+def check_max_seqlen(name: str, value, longest: int | None) -> int:
+    value = check_count(name, value)
+    if longest is not None and value < longest:
+        raise ValueError(f"{name}: must be >= the longest sequence ({longest}), got {value}")
+    return value
+
+
+def check_backend_variants(backend: str, auto: bool, what: list) -> None:
+    """Backends whose kernels have no variants yet refuse them: no silent fallback."""
+    if not what or backend == "numpy":
+        return
+    chosen = f"backend={backend!r} (chosen by backend='auto')" if auto else f"backend={backend!r}"
+    raise RuntimeError(f"{chosen} does not implement {', '.join(what)} yet; pass backend='numpy'")

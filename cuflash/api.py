@@ -7,6 +7,10 @@ takes (batch, nheads, seqlen, head_dim) arrays through strides, with no copy.
 Each public function first looks its call signature up in the plan cache (cuflash/_plan.py); a hit
 launches straight away. A miss takes the general path below: validate, import the arrays, run the
 backend, and, where the signature allows, leave a plan for the next call.
+
+Variants (window, softcap, alibi_slopes, dropout_p with seed and offset; the varlen functions) run on
+the NumPy backend; the CUDA and Numba backends refuse them with a RuntimeError until their kernels
+have them. A call with any variant argument not at its default never uses the plan cache.
 """
 
 from __future__ import annotations
@@ -15,15 +19,34 @@ import contextlib
 import functools
 import importlib
 
-from . import _checks, _interop, _plan
+from . import _checks, _interop, _mask, _philox, _plan
 from .config import numpy_dtype
 
+# The variants' defaults. The plan cache is looked up only when every variant argument *is* its default
+# object (one chain of identity tests); anything else, an explicit 0.0 included, takes the general path.
+NO_WINDOW = _mask.NO_WINDOW
+_OFF = 0.0
+_ZERO = 0
 
-def _backend(name: str):
-    """The backend module for a request; a RuntimeError says why a forced one cannot run here."""
+
+def _plain(window, softcap, alibi_slopes, dropout_p, seed, offset) -> bool:
+    return (window is NO_WINDOW and softcap is _OFF and alibi_slopes is None and dropout_p is _OFF
+            and seed is _ZERO and offset is _ZERO)
+
+
+def _choose(name: str) -> tuple[str, bool]:
+    """(the backend a request runs on, whether backend='auto' chose it)."""
     _checks.check_backend(name)
     if name == "auto":
-        name = "cuda" if _interop.gpu_status()[0] else "numpy"
+        return ("cuda" if _interop.gpu_status()[0] else "numpy"), True
+    return name, False
+
+
+def _backend(name: str, what=()):
+    """The backend module for a request; a RuntimeError says why a forced one cannot run here, or
+    that it does not implement the variants in `what`."""
+    name, auto = _choose(name)
+    _checks.check_backend_variants(name, auto, list(what))
     mod = importlib.import_module(f".backends.{name}", __package__)
     ok, why = mod.available()
     if not ok:
@@ -46,10 +69,10 @@ def _unit_last_stride(x):
 class _Call:
     """Shared plumbing of the forward and backward entry points (the general path)."""
 
-    def __init__(self, q, layout: str, backend: str, arrays: dict):
+    def __init__(self, q, layout: str, backend: str, arrays: dict, what=()):
         self.caller = _interop.classify(q)
         _interop.check_devices(**arrays)
-        self.be = _backend(backend)
+        self.be = _backend(backend, what)
         self.on_device = getattr(self.be, "ON_DEVICE", False)
         self.layout = layout
 
@@ -98,22 +121,64 @@ def lse_dtype(dtype: str) -> str:
     return "float64" if dtype == "float64" else "float32"
 
 
-def flash_attn_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", backend="auto", out=None):
+def _variants(causal, window, softcap, alibi_slopes, dropout_p, seed, offset, batch, nheads):
+    """The variant arguments, validated: (the backend's keyword arguments, the variants in use)."""
+    window = _checks.check_window(window)
+    softcap = _checks.check_softcap(softcap)
+    dropout_p = _checks.check_dropout_p(dropout_p)
+    seed, offset = _checks.check_seed(seed), _checks.check_offset(offset)
+    if alibi_slopes is not None:
+        _checks.check_alibi_slopes(alibi_slopes, batch, nheads)
+    kw, what = {}, []
+    if _mask.effective_window(causal, window) != _mask.effective_window(causal, NO_WINDOW):
+        kw["window"] = window
+        what.append("window")
+    if softcap:
+        kw["softcap"] = softcap
+        what.append("softcap")
+    if alibi_slopes is not None:
+        kw["alibi_slopes"] = alibi_slopes
+        what.append("alibi_slopes")
+    if dropout_p:
+        kw.update(dropout_p=dropout_p, seed=seed, offset=offset)
+        what.append("dropout")
+    return kw, what
+
+
+def _working_variants(call, kw: dict) -> dict:
+    """The backend's keyword arguments with the ALiBi slopes in the backend's memory."""
+    if kw.get("alibi_slopes") is not None:
+        kw = {**kw, "alibi_slopes": call.working("alibi_slopes", kw["alibi_slopes"])}
+    return kw
+
+
+def flash_attn_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", backend="auto", out=None,
+                       window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
     """Exact attention and its log-sum-exp: returns (o, lse).
 
     o = softmax(softmax_scale * q k^T [+ causal mask]) v, the same shape and dtype as q;
     lse[b, h, i] = log(sum_j exp(softmax_scale * q_i . k_j)) over the keys row i sees
     (-inf, with o = 0, for a row that sees none).
+
+    Variants (FlashAttention 2's semantics; NumPy backend only for now): window=(left, right) with -1
+    unbounded (row i, at key position i' = i + seqlen_k - seqlen_q, sees keys i' - left ..
+    i' + right; causal sets right = 0); softcap=c > 0 (scores c * tanh(score / c)); alibi_slopes,
+    float32 (nheads,) or (batch, nheads) (bias -slope * |i' - j| after the softcap, in the LSE);
+    dropout_p in [0, 1) with seed (0 <= seed < 2**64) and offset (the keep mask is
+    cuflash.dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p=, seed=, offset=); the LSE is
+    that of the undropped probabilities).
     """
-    key = _plan.forward_key(q, k, v, out, causal, softmax_scale, layout, backend)
-    plan = _plan.FORWARD.get(key)
-    if plan is not None:
-        return plan(q, k, v, out)
+    key = None
+    if _plain(window, softcap, alibi_slopes, dropout_p, seed, offset):
+        key = _plan.forward_key(q, k, v, out, causal, softmax_scale, layout, backend)
+        plan = _plan.FORWARD.get(key)
+        if plan is not None:
+            return plan(q, k, v, out)
     return _forward(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, backend=backend,
-                    out=out, key=key)
+                    out=out, key=key, window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)
 
 
-def _forward(q, k, v, *, causal, softmax_scale, layout, backend, out, key=None):
+def _forward(q, k, v, *, causal, softmax_scale, layout, backend, out, key=None, window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
     """The general path of flash_attn_forward; with a key, it may leave a plan for the signature."""
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
         _checks.check_array(name, x, optional=name == "out")
@@ -122,57 +187,65 @@ def _forward(q, k, v, *, causal, softmax_scale, layout, backend, out, key=None):
     dt, qb, kb, vb = _validate_qkv(q, k, v, layout)
     b, sq, h, d = qb.shape
     scale = _checks.check_softmax_scale(softmax_scale, d)
+    vkw, what = _variants(causal, window, softcap, alibi_slopes, dropout_p, seed, offset, b, h)
     if out is not None:
         _checks.check_out(out, tuple(q.shape), dt, {"q": q, "k": k, "v": v})
-    call = _Call(q, layout, backend, {"q": q, "k": k, "v": v, "out": out})
+    call = _Call(q, layout, backend, {"q": q, "k": k, "v": v, "out": out, "alibi_slopes": alibi_slopes}, what)
     outputs = () if out is None else (out,)
     with call.context():
         o_arr, o_work = call.new(q.shape, numpy_dtype(dt)) if out is None else (out, call.working_out(out))
         o = _bshd(o_work, layout)
         lse_arr, lse = call.new((b, h, sq), lse_dtype(dt))
         inputs = [_bshd(call.working(n, x), layout) for n, x in (("q", q), ("k", k), ("v", v))]
-        if key is not None and _plan.plannable(call.caller, call.be, q, k, v, *outputs):
+        vkw = _working_variants(call, vkw)
+        if key is not None and not what and _plan.plannable(call.caller, call.be, q, k, v, *outputs):
             general = functools.partial(_forward, causal=causal, softmax_scale=softmax_scale, layout=layout,
                                         backend=backend)
             launches = call.be.forward_launches(*inputs, o, lse, causal=causal, softmax_scale=scale)
             _plan.FORWARD[key] = _plan.ForwardPlan(call.caller, launches, q, k, v, out, (b, h, sq),
                                                    numpy_dtype(lse_dtype(dt)), general)
         if b and sq and h:
-            call.be.forward(*inputs, causal=causal, softmax_scale=scale, out=o, lse=lse)
+            call.be.forward(*inputs, causal=causal, softmax_scale=scale, out=o, lse=lse, **vkw)
     if out is None:
         return call.result(o_arr), call.result(lse_arr)
     call.write_back(out, o_work)
     return out, call.result(lse_arr)
 
 
-def flash_attn(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, layout="bshd", backend="auto", out=None):
-    """Exact attention o = softmax(softmax_scale * q k^T) v; with return_lse=True, (o, lse)."""
+def flash_attn(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, layout="bshd", backend="auto", out=None,
+               window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
+    """Exact attention o = softmax(softmax_scale * q k^T) v; with return_lse=True, (o, lse).
+    The variant arguments are flash_attn_forward's."""
     if return_lse.__class__ is not bool:  # the check only where it can fail: this runs on every call
         return_lse = _checks.check_flag("return_lse", return_lse)
     o, lse = flash_attn_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
-                                backend=backend, out=out)
+                                backend=backend, out=out, window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)
     return (o, lse) if return_lse else o
 
 
 def flash_attn_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, layout="bshd", backend="auto",
-                        deterministic=False, dq=None, dk=None, dv=None):
+                        deterministic=False, dq=None, dk=None, dv=None, window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
     """Gradients (dq, dk, dv) of the forward call that produced (o, lse), given dout = dL/do.
 
     P is recomputed from q, k and lse; no N x N matrix is stored. dq=, dk=, dv=, when given, receive
     the gradients in place (checked like `out=`). The backward is deterministic: every gradient
     element is reduced in a fixed order (no atomics), so `deterministic` is accepted for
-    FlashAttention compatibility and repeated calls are bitwise identical either way.
+    FlashAttention compatibility and repeated calls are bitwise identical either way. The variant
+    arguments must be the forward's (dropout regenerates the forward's keep mask from seed, offset).
     """
-    key = _plan.backward_key(do, q, k, v, o, lse, dq, dk, dv, causal, softmax_scale, layout, backend, deterministic)
-    plan = _plan.BACKWARD.get(key)
-    if plan is not None:
-        return plan(do, q, k, v, o, lse, dq, dk, dv)
+    key = None
+    if _plain(window, softcap, alibi_slopes, dropout_p, seed, offset):
+        key = _plan.backward_key(do, q, k, v, o, lse, dq, dk, dv, causal, softmax_scale, layout, backend,
+                                 deterministic)
+        plan = _plan.BACKWARD.get(key)
+        if plan is not None:
+            return plan(do, q, k, v, o, lse, dq, dk, dv)
     return _backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, layout=layout,
-                     backend=backend, deterministic=deterministic, dq=dq, dk=dk, dv=dv, key=key)
+                     backend=backend, deterministic=deterministic, dq=dq, dk=dk, dv=dv, key=key, window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)
 
 
 def _backward(do, q, k, v, o, lse, *, causal, softmax_scale, layout, backend, deterministic, dq=None, dk=None,
-              dv=None, key=None):
+              dv=None, key=None, window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
     """The general path of flash_attn_backward; with a key, it may leave a plan for the signature."""
     for name, x in (("dout", do), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse),
                     ("dq", dq), ("dk", dk), ("dv", dv)):
@@ -187,13 +260,14 @@ def _backward(do, q, k, v, o, lse, *, causal, softmax_scale, layout, backend, de
         _checks.check_like(name, x, tuple(q.shape), dt)
     _checks.check_lse(lse, (b, h, sq), lse_dtype(dt))
     scale = _checks.check_softmax_scale(softmax_scale, d)
+    vkw, what = _variants(causal, window, softcap, alibi_slopes, dropout_p, seed, offset, b, h)
     inputs = {"dout": do, "q": q, "k": k, "v": v, "o": o, "lse": lse}
     grads = {"dq": dq, "dk": dk, "dv": dv}
     for name, x, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if x is not None:
             others = {**inputs, **{n: y for n, y in grads.items() if n != name and y is not None}}
             _checks.check_out(x, tuple(like.shape), dt, others, name=name)
-    call = _Call(q, layout, backend, {**inputs, **grads})
+    call = _Call(q, layout, backend, {**inputs, **grads, "alibi_slopes": alibi_slopes}, what)
     with call.context():
         arrs, works = zip(*((x, call.working_out(x)) if x is not None else call.new(like.shape, numpy_dtype(dt))
                             for x, like in ((dq, q), (dk, k), (dv, v))))
@@ -202,7 +276,8 @@ def _backward(do, q, k, v, o, lse, *, causal, softmax_scale, layout, backend, de
         ins = [*(_bshd(x, layout) for x in ws), call.working("lse", lse)]
         # the D = rowsum(dO * O) workspace, from the caller's allocator (host backends make their own)
         dsum = call.new((b, h, sq), lse_dtype(dt))[1] if call.on_device else None
-        if key is not None and _plan.plannable(call.caller, call.be, do, q, k, v, o,
+        vkw = _working_variants(call, vkw)
+        if key is not None and not what and _plan.plannable(call.caller, call.be, do, q, k, v, o,
                                                *(x for x in (dq, dk, dv) if x is not None)):
             general = functools.partial(_backward, causal=causal, softmax_scale=softmax_scale, layout=layout,
                                         backend=backend, deterministic=deterministic)
@@ -210,11 +285,131 @@ def _backward(do, q, k, v, o, lse, *, causal, softmax_scale, layout, backend, de
             _plan.BACKWARD[key] = _plan.BackwardPlan(call.caller, launches, do, q, k, v, o, lse, (dq, dk, dv), general)
         if b and h and (sq or kb.shape[1]):
             call.be.backward(*ins, causal=causal, softmax_scale=scale, deterministic=deterministic,
-                             dq=g[0], dk=g[1], dv=g[2], dsum=dsum)
+                             dq=g[0], dk=g[1], dv=g[2], dsum=dsum, **vkw)
     for x, w in zip((dq, dk, dv), works):
         if x is not None:
             call.write_back(x, w)
     return tuple(a if x is not None else call.result(a) for a, x in zip(arrs, (dq, dk, dv)))
 
 
-__all__ = ["flash_attn", "flash_attn_forward", "flash_attn_backward"]
+# --- variable-length batches -------------------------------------------------------------------------------
+
+
+def _varlen_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                   check_inputs, variants):
+    """Validation shared by the varlen forward and backward: (dtype, scale, backend kwargs, what)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _checks.check_array(name, x)
+        _checks.check_ndim_packed(name, x)
+    causal = _checks.check_flag("causal", causal)
+    check_inputs = _checks.check_flag("check_inputs", check_inputs)
+    dt = _checks.check_dtype("q", q)
+    _checks.check_same_dtype(dt, k=k, v=v)
+    _checks.check_qkv(q[None], k[None], v[None])
+    _checks.check_cu_seqlens_dtype("cu_seqlens_q", cu_seqlens_q)
+    _checks.check_cu_seqlens_dtype("cu_seqlens_k", cu_seqlens_k)
+    batch = _checks.check_cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k)
+    longest = {}
+    for name, cu, x, packed in (("cu_seqlens_q", cu_seqlens_q, q, "q"), ("cu_seqlens_k", cu_seqlens_k, k, "k")):
+        # Reading device values needs a sync: only with check_inputs=True.
+        if _interop.is_numpy(cu) or check_inputs:
+            longest[name] = _checks.check_cu_seqlens_values(name, _interop.to_host(cu), int(x.shape[0]), packed)
+    _checks.check_max_seqlen("max_seqlen_q", max_seqlen_q, longest.get("cu_seqlens_q"))
+    _checks.check_max_seqlen("max_seqlen_k", max_seqlen_k, longest.get("cu_seqlens_k"))
+    scale = _checks.check_softmax_scale(softmax_scale, q.shape[-1])
+    vkw, what = _variants(causal, *variants, batch, q.shape[1])
+    return causal, dt, scale, vkw, ["varlen", *what]
+
+
+def flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                              softmax_scale=None, backend="auto", out=None, check_inputs=False, window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
+    """Attention over a batch of sequences of different lengths, packed: returns (o, lse).
+
+    q (total_q, nheads, head_dim), k, v (total_k, nheads_k, head_dim); cu_seqlens_q, cu_seqlens_k int32
+    (batch + 1,) cumulative lengths from 0 (sequence i is rows cu[i]:cu[i + 1]; empty sequences are
+    allowed); max_seqlen_q, max_seqlen_k the longest lengths. o like q, lse (nheads, total_q). Each
+    sequence is attended on its own, with the dense functions' semantics and variants (for dropout
+    the batch index is the sequence index). cu_seqlens held on the host are always checked; device
+    arrays only with check_inputs=True (it costs a sync). NumPy backend only for now.
+    """
+    causal, dt, scale, vkw, what = _varlen_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                  causal, softmax_scale, check_inputs,
+                                                  (window, softcap, alibi_slopes, dropout_p, seed, offset))
+    _checks.check_array("out", out, optional=True)
+    if out is not None:
+        _checks.check_out(out, tuple(q.shape), dt, {"q": q, "k": k, "v": v})
+    call = _Call(q, "bshd", backend, {"q": q, "k": k, "v": v, "out": out, "cu_seqlens_q": cu_seqlens_q,
+                                      "cu_seqlens_k": cu_seqlens_k, "alibi_slopes": alibi_slopes}, what)
+    with call.context():
+        o_arr, o_work = call.new(q.shape, numpy_dtype(dt)) if out is None else (out, call.working_out(out))
+        lse_arr, lse = call.new((q.shape[1], q.shape[0]), lse_dtype(dt))
+        ins = [call.working(n, x) for n, x in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
+                                                ("cu_seqlens_k", cu_seqlens_k))]
+        call.be.varlen_forward(*ins, causal=causal, softmax_scale=scale, out=o_work, lse=lse,
+                               **_working_variants(call, vkw))
+    if out is None:
+        return call.result(o_arr), call.result(lse_arr)
+    call.write_back(out, o_work)
+    return out, call.result(lse_arr)
+
+
+def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                      softmax_scale=None, return_lse=False, backend="auto", out=None, check_inputs=False, window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
+    """flash_attn_varlen_forward's o; with return_lse=True, (o, lse)."""
+    return_lse = _checks.check_flag("return_lse", return_lse)
+    o, lse = flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                       causal=causal, softmax_scale=softmax_scale, backend=backend, out=out,
+                                       check_inputs=check_inputs, window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)
+    return (o, lse) if return_lse else o
+
+
+def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                               causal=False, softmax_scale=None, backend="auto", deterministic=False, dq=None,
+                               dk=None, dv=None, check_inputs=False, window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
+    """Gradients (dq, dk, dv) of the flash_attn_varlen_forward call that produced (o, lse); the same
+    arguments as that call (dout and o like q, lse (nheads, total_q))."""
+    causal, dt, scale, vkw, what = _varlen_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                  causal, softmax_scale, check_inputs,
+                                                  (window, softcap, alibi_slopes, dropout_p, seed, offset))
+    deterministic = _checks.check_flag("deterministic", deterministic)
+    for name, x in (("dout", do), ("o", o), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
+        _checks.check_array(name, x, optional=name in ("dq", "dk", "dv"))
+    for name, x in (("dout", do), ("o", o)):
+        _checks.check_like(name, x, tuple(q.shape), dt)
+    if tuple(lse.shape) != (q.shape[1], q.shape[0]):
+        raise ValueError(f"lse: expected shape {(q.shape[1], q.shape[0])} (nheads, total_q), got {tuple(lse.shape)}")
+    _checks.check_lse(lse, tuple(lse.shape), lse_dtype(dt))
+    inputs = {"dout": do, "q": q, "k": k, "v": v, "o": o, "lse": lse}
+    grads = {"dq": dq, "dk": dk, "dv": dv}
+    for name, x, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if x is not None:
+            others = {**inputs, **{n: y for n, y in grads.items() if n != name and y is not None}}
+            _checks.check_out(x, tuple(like.shape), dt, others, name=name)
+    call = _Call(q, "bshd", backend, {**inputs, **grads, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+                                      "alibi_slopes": alibi_slopes}, what)
+    with call.context():
+        arrs, works = zip(*((x, call.working_out(x)) if x is not None else call.new(like.shape, numpy_dtype(dt))
+                            for x, like in ((dq, q), (dk, k), (dv, v))))
+        ins = [call.working(n, x) for n, x in (("dout", do), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse),
+                                                ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))]
+        call.be.varlen_backward(*ins, causal=causal, softmax_scale=scale, deterministic=deterministic,
+                                dq=works[0], dk=works[1], dv=works[2], **_working_variants(call, vkw))
+    for x, w in zip((dq, dk, dv), works):
+        if x is not None:
+            call.write_back(x, w)
+    return tuple(a if x is not None else call.result(a) for a, x in zip(arrs, (dq, dk, dv)))
+
+
+def dropout_mask(batch, nheads, seqlen_q, seqlen_k, *, dropout_p, seed, offset=0):
+    """The boolean keep mask (batch, nheads, seqlen_q, seqlen_k), NumPy, that every backend uses for these
+    dropout arguments (True: kept and scaled by 1 / (1 - dropout_p)). The generator is specified in
+    cuflash/_philox.py: Philox4x32-10, key (seed & 0xFFFFFFFF, seed >> 32), counter
+    (col // 4, row, batch * nheads + head, offset), word col % 4, kept iff >= floor(dropout_p * 2**32)."""
+    sizes = [_checks.check_count(n, x) for n, x in (("batch", batch), ("nheads", nheads), ("seqlen_q", seqlen_q),
+                                                    ("seqlen_k", seqlen_k))]
+    return _philox.dropout_mask(*sizes, dropout_p=_checks.check_dropout_p(dropout_p), seed=_checks.check_seed(seed),
+                                offset=_checks.check_offset(offset))
+
+
+__all__ = ["flash_attn", "flash_attn_forward", "flash_attn_backward", "flash_attn_varlen",
+           "flash_attn_varlen_forward", "flash_attn_varlen_backward", "dropout_mask"]

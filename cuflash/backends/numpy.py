@@ -20,6 +20,8 @@ import math
 
 import numpy as np
 
+from .. import _mask, _philox
+
 BLOCK_M = 64
 BLOCK_N = 64
 LOG2E = math.log2(math.e)
@@ -37,45 +39,73 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# --- kernels_cu/mask.cuh, mirrored -------------------------------------------------------------------
-
-
-def _col_limit(rows, seqlen_q: int, seqlen_k: int, causal: bool):
-    """Largest visible key column + 1 for each query row (<= 0: the row sees no key)."""
-    if causal:
-        return np.minimum(seqlen_k, rows + 1 + seqlen_k - seqlen_q)
-    return np.full_like(rows, seqlen_k)
+# --- kernels_cu/mask.cuh, mirrored (the rules live in cuflash/_mask.py) -------------------------------
 
 
 def _n_block_max(m_block, block_m, block_n, seqlen_q, seqlen_k, causal) -> int:
     """Key blocks query block m_block must visit; causal skips those wholly above the diagonal."""
-    last_row = min((m_block + 1) * block_m, seqlen_q) - 1
-    limit = int(_col_limit(np.int64(last_row), seqlen_q, seqlen_k, causal))
-    return _ceil_div(max(limit, 0), block_n)
+    return _mask.n_block_range(m_block, block_m, block_n, seqlen_q, seqlen_k, *_mask.effective_window(causal))[1]
 
 
 def _m_block_min(n_block, block_m, block_n, seqlen_q, seqlen_k, causal) -> int:
     """First query block that sees any column of key block n_block."""
-    if not causal:
-        return 0
-    first_row = max(n_block * block_n - (seqlen_k - seqlen_q), 0)
-    return first_row // block_m
+    return _mask.m_block_range(n_block, block_m, block_n, seqlen_q, seqlen_k, *_mask.effective_window(causal))[0]
 
 
 def _block_needs_mask(m_block, n_block, block_m, block_n, seqlen_q, seqlen_k, causal) -> bool:
-    if (n_block + 1) * block_n > seqlen_k:
-        return True
-    if not causal:
-        return False
-    return (n_block + 1) * block_n - 1 > m_block * block_m + seqlen_k - seqlen_q
+    m0, m1 = m_block * block_m, min((m_block + 1) * block_m, seqlen_q)
+    return _mask.block_needs_mask(m0, m1, n_block * block_n, (n_block + 1) * block_n, seqlen_q, seqlen_k,
+                                  *_mask.effective_window(causal))
 
 
-def _mask(acc_s, m_block, n_block, block_m, block_n, seqlen_q, seqlen_k, causal):
-    """Set invalid (row, col) scores of one tile to -inf."""
-    rows = m_block * block_m + np.arange(acc_s.shape[-2])
-    cols = n_block * block_n + np.arange(acc_s.shape[-1])
-    limit = _col_limit(rows, seqlen_q, seqlen_k, causal)
-    return np.where(cols[None, :] < limit[:, None], acc_s, -np.inf)
+class _Variants:
+    """What a call's variants need per tile: the window, the score transform (softmax_scale, softcap,
+    ALiBi, applied in natural units before the mask) and the dropout keep mask."""
+
+    def __init__(self, batch, nheads, nheads_k, seqlen_q, seqlen_k, acc, softmax_scale, causal, window, softcap,
+                 alibi_slopes, dropout_p, seed, offset, batch_index):
+        self.seqlen_q, self.seqlen_k, self.acc = seqlen_q, seqlen_k, acc
+        self.left, self.right = _mask.effective_window(causal, window)
+        self.scale = softmax_scale
+        self.softcap = float(softcap or 0.0)
+        group = nheads // nheads_k
+        self.slopes = None
+        if alibi_slopes is not None:
+            sl = np.asarray(alibi_slopes, dtype=acc)
+            self.slopes = sl.reshape(sl.shape[0] if sl.ndim == 2 else 1, nheads_k, group)
+        # softcap or ALiBi: scores are transformed to natural-unit logits (softmax_scale folded in)
+        self.transform = bool(self.softcap) or self.slopes is not None
+        self.dropout_p, self.seed, self.offset = float(dropout_p or 0.0), seed, offset
+        self.bh = (np.arange(batch * nheads, dtype=np.int64) + batch_index * nheads).reshape(batch, nheads_k, group)
+
+    def blocks_n(self, m_block, block_m, block_n):
+        return _mask.n_block_range(m_block, block_m, block_n, self.seqlen_q, self.seqlen_k, self.left, self.right)
+
+    def blocks_m(self, n_block, block_m, block_n):
+        return _mask.m_block_range(n_block, block_m, block_n, self.seqlen_q, self.seqlen_k, self.left, self.right)
+
+    def scores(self, acc_s, m0, m1, n0, n1, block_n):
+        """(masked scores, 1 - tanh^2 of the softcap or None) of one tile, rows [m0, m1), cols [n0, n1)."""
+        rows, cols = np.arange(m0, m1), np.arange(n0, n1)
+        dcap = None
+        if self.transform:
+            acc_s = acc_s * self.acc(self.scale)
+            if self.softcap:
+                acc_s, t = _mask.apply_softcap(acc_s, self.softcap)
+                dcap = _mask.softcap_grad(t)
+            if self.slopes is not None:
+                acc_s = acc_s + _mask.alibi_bias(self.slopes, rows, cols, self.seqlen_q, self.seqlen_k)
+        if _mask.block_needs_mask(m0, m1, n0, n0 + block_n, self.seqlen_q, self.seqlen_k, self.left, self.right):
+            acc_s = np.where(_mask.visible(rows, cols, self.seqlen_q, self.seqlen_k, self.left, self.right),
+                             acc_s, -np.inf)
+        return acc_s, dcap
+
+    def dropped(self, x, m0, m1, n0, n1):
+        """x * keep / (1 - dropout_p) on one tile (x itself without dropout)."""
+        if not self.dropout_p:
+            return x
+        keep = _philox.keep(self.dropout_p, self.seed, self.offset, self.bh, np.arange(m0, m1), np.arange(n0, n1))
+        return np.where(keep, x * self.acc(1.0 / (1.0 - self.dropout_p)), self.acc(0))
 
 
 # --- layout ------------------------------------------------------------------------------------------
@@ -111,21 +141,31 @@ def _setup(q, k, v, softmax_scale):
 # --- forward -----------------------------------------------------------------------------------------
 
 
-def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, lse=None, block_m=BLOCK_M, block_n=BLOCK_N):
+def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, lse=None, block_m=BLOCK_M, block_n=BLOCK_N,
+            window=_mask.NO_WINDOW, softcap=0.0, alibi_slopes=None,
+            dropout_p=0.0, seed=0, offset=0, batch_index=0):
     """(o, lse): o like q (input dtype), lse (batch, nheads, seqlen_q) in the accumulator dtype.
 
-    With `out` / `lse` given (any strides), the results are written there and those are returned."""
+    With `out` / `lse` given (any strides), the results are written there and those are returned.
+    Variants (cuflash/_mask.py, cuflash/_philox.py): window, softcap, alibi_slopes, dropout_p with
+    seed and offset; batch_index is the dropout batch index of q's first batch entry (varlen)."""
     lse_out = lse
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k = k.shape[1]
     acc, softmax_scale, scale_log2, qg, kg, vg = _setup(q, k, v, softmax_scale)
+    var = _Variants(batch, nheads, k.shape[2], seqlen_q, seqlen_k, acc, softmax_scale, causal, window, softcap,
+                    alibi_slopes, dropout_p, seed, offset, batch_index)
+    lse_scale = softmax_scale
+    if var.transform:  # the scores are logits already: exp2 of them times log2(e)
+        scale_log2, lse_scale = LOG2E, 1.0
     o = np.empty(qg.shape, dtype=acc)
     lse = np.empty(qg.shape[:-1], dtype=acc)
 
     # [1] Block coordinates: m_block, head, batch; causal skips key blocks above the diagonal
     for m_block in range(_ceil_div(seqlen_q, block_m)):
         m0, m1 = m_block * block_m, min((m_block + 1) * block_m, seqlen_q)
-        n_block_max = _n_block_max(m_block, block_m, block_n, seqlen_q, seqlen_k, causal)
+        # the window (and causal) skip the key blocks no row of this block sees
+        n_block_min, n_block_max = var.blocks_n(m_block, block_m, block_n)
 
         # [2] Load the Q tile
         q_tile = qg[..., m0:m1, :]
@@ -134,7 +174,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, lse=None, bl
         acc_o = np.zeros(q_tile.shape, dtype=acc)
 
         # Last key block first, as flash_fwd.cu does: the tiles that need masking come first.
-        for n_block in range(n_block_max - 1, -1, -1):
+        for n_block in range(n_block_max - 1, n_block_min - 1, -1):
             n0, n1 = n_block * block_n, min((n_block + 1) * block_n, seqlen_k)
             k_tile, v_tile = kg[..., n0:n1, :], vg[..., n0:n1, :]
 
@@ -142,8 +182,8 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, lse=None, bl
             acc_s = q_tile @ k_tile.swapaxes(-1, -2)  # (B, Hk, G, bm, bn)
 
             # [4] Mask the sequence tail and the causal diagonal
-            if _block_needs_mask(m_block, n_block, block_m, block_n, seqlen_q, seqlen_k, causal):
-                acc_s = _mask(acc_s, m_block, n_block, block_m, block_n, seqlen_q, seqlen_k, causal)
+            # (the softcap and ALiBi transform the scores first; the window masks like the diagonal)
+            acc_s, _ = var.scores(acc_s, m0, m1, n0, n1, block_n)
 
             # [5] Online softmax: update row_max, rescale acc_o and row_sum, P = exp2(S * scale_log2 - row_max * scale_log2)
             row_max_new = np.maximum(row_max, acc_s.max(axis=-1, keepdims=True))
@@ -157,13 +197,14 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, lse=None, bl
             row_max = row_max_new
 
             # [6] O += P V
-            acc_o += p @ v_tile
+            # (dropout drops from P here only: row_sum, and so the LSE, are those of the undropped P)
+            acc_o += var.dropped(p, m0, m1, n0, n1) @ v_tile
 
         # [7] Finalize: O /= row_sum, LSE = row_max * softmax_scale + log(row_sum); rows that saw no key give O = 0, LSE = -inf
         seen = row_sum > 0
         row_sum_safe = np.where(seen, row_sum, 1.0).astype(acc)
         o_tile = acc_o / row_sum_safe  # acc_o is 0 where no key was seen
-        lse_tile = np.where(seen, row_max * softmax_scale + np.log(row_sum_safe), -np.inf)
+        lse_tile = np.where(seen, row_max * lse_scale + np.log(row_sum_safe), -np.inf)
 
         # [8] Store O and LSE
         o[..., m0:m1, :] = o_tile
@@ -176,16 +217,22 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, lse=None, bl
 
 
 def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, deterministic=False,
-             dq=None, dk=None, dv=None, dsum=None, block_m=BLOCK_M, block_n=BLOCK_N):
+             dq=None, dk=None, dv=None, dsum=None, block_m=BLOCK_M, block_n=BLOCK_N,
+             window=_mask.NO_WINDOW, softcap=0.0, alibi_slopes=None,
+            dropout_p=0.0, seed=0, offset=0, batch_index=0):
     """(dq, dk, dv) in the input dtype, bshd contiguous, or written into the given dq / dk / dv.
     Always deterministic (no atomics to avoid). dsum is not used: D is computed here in the
-    grouped layout."""
+    grouped layout. The variant arguments are forward's; dropout regenerates the forward's mask."""
     dq_out, dk_out, dv_out = dq, dk, dv
     del deterministic, dsum
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     group = nheads // nheads_k
     acc, softmax_scale, scale_log2, qg, kg, vg = _setup(q, k, v, softmax_scale)
+    var = _Variants(batch, nheads, nheads_k, seqlen_q, seqlen_k, acc, softmax_scale, causal, window, softcap,
+                    alibi_slopes, dropout_p, seed, offset, batch_index)
+    if var.transform:
+        scale_log2 = LOG2E
     dog = _grouped(do, nheads_k, acc)
     og = _grouped(o, nheads_k, acc)
     lse = np.asarray(lse, dtype=acc).reshape(batch, nheads_k, group, seqlen_q)
@@ -207,7 +254,8 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, determini
         acc_dk = np.zeros((batch, nheads_k, n1 - n0, head_dim), dtype=acc)
         acc_dv = np.zeros_like(acc_dk)
 
-        for m_block in range(_m_block_min(n_block, block_m, block_n, seqlen_q, seqlen_k, causal), n_m_blocks):
+        # the window (and causal) skip the query blocks that see no column of this block
+        for m_block in range(*var.blocks_m(n_block, block_m, block_n)):
             m0, m1 = m_block * block_m, min((m_block + 1) * block_m, seqlen_q)
 
             # [3] Load the Q, dO tiles and LSE, D rows of one query block
@@ -217,19 +265,23 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, determini
 
             # [4] Recompute S = Q K^T, mask, P = exp2(S * scale_log2 - LSE * log2(e))
             acc_s = q_tile @ k_tile.swapaxes(-1, -2)
-            if _block_needs_mask(m_block, n_block, block_m, block_n, seqlen_q, seqlen_k, causal):
-                acc_s = _mask(acc_s, m_block, n_block, block_m, block_n, seqlen_q, seqlen_k, causal)
+            acc_s, dcap = var.scores(acc_s, m0, m1, n0, n1, block_n)
             p = np.exp2(acc_s * scale_log2 - lse_rows)
 
             # [5] dV += P^T dO
             # The sum over axis 2 is the kernel's loop over the kv head's group of query heads.
-            acc_dv += (p.swapaxes(-1, -2) @ do_tile).sum(axis=2)
+            # Dropout: the dropped P, regenerated from the same counters as the forward's.
+            acc_dv += (var.dropped(p, m0, m1, n0, n1).swapaxes(-1, -2) @ do_tile).sum(axis=2)
 
             # [6] dP = dO V^T
-            dp = do_tile @ v_tile.swapaxes(-1, -2)
+            # Dropout: dL/dP is dO V^T times keep / (1 - p); D = rowsum(dO * O) holds with the dropped O.
+            dp = var.dropped(do_tile @ v_tile.swapaxes(-1, -2), m0, m1, n0, n1)
 
             # [7] dS = P * (dP - D)
+            # A softcap multiplies by its derivative 1 - tanh^2.
             ds = p * (dp - d_rows)
+            if dcap is not None:
+                ds *= dcap
 
             # [8] dK += dS^T Q
             acc_dk += (ds.swapaxes(-1, -2) @ q_tile).sum(axis=2)
@@ -247,16 +299,17 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, determini
         d_rows = dsum[..., m0:m1, None]
         acc_dq = np.zeros(q_tile.shape, dtype=acc)
 
-        for n_block in range(_n_block_max(m_block, block_m, block_n, seqlen_q, seqlen_k, causal)):
+        for n_block in range(*var.blocks_n(m_block, block_m, block_n)):
             n0, n1 = n_block * block_n, min((n_block + 1) * block_n, seqlen_k)
             k_tile, v_tile = kg[..., n0:n1, :], vg[..., n0:n1, :]
 
             # [11] Recompute S, P and dS = P * (dO V^T - D) for one key block
             acc_s = q_tile @ k_tile.swapaxes(-1, -2)
-            if _block_needs_mask(m_block, n_block, block_m, block_n, seqlen_q, seqlen_k, causal):
-                acc_s = _mask(acc_s, m_block, n_block, block_m, block_n, seqlen_q, seqlen_k, causal)
+            acc_s, dcap = var.scores(acc_s, m0, m1, n0, n1, block_n)
             p = np.exp2(acc_s * scale_log2 - lse_rows)
-            ds = p * (do_tile @ v_tile.swapaxes(-1, -2) - d_rows)
+            ds = p * (var.dropped(do_tile @ v_tile.swapaxes(-1, -2), m0, m1, n0, n1) - d_rows)
+            if dcap is not None:
+                ds *= dcap
 
             # [12] dQ += dS K
             acc_dq += ds @ k_tile
@@ -265,6 +318,55 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, determini
         dq[..., m0:m1, :] = acc_dq * softmax_scale
 
     return _store(_bshd(dq, q.dtype), dq_out), _store(_bshd(dk, k.dtype), dk_out), _store(_bshd(dv, v.dtype), dv_out)
+
+
+# --- variable-length batches ----------------------------------------------------------------------------
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k):
+    cq, ck = (np.asarray(c).astype(np.int64).tolist() for c in (cu_seqlens_q, cu_seqlens_k))
+    return [(i, cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(len(cq) - 1)]
+
+
+def _slopes_of(alibi_slopes, i):
+    if alibi_slopes is None or np.ndim(alibi_slopes) == 1:
+        return alibi_slopes
+    return alibi_slopes[i:i + 1]
+
+
+def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, out=None, lse=None, alibi_slopes=None, **kwargs):
+    """Packed (total, nheads, head_dim) q, k, v; sequence by sequence through `forward` (sequence i
+    is dropout's batch index i). Returns (o like q, lse (nheads, total_q) in the accumulator dtype)."""
+    acc = _acc_dtype(q.dtype)
+    o = np.zeros(q.shape, dtype=q.dtype) if out is None else out
+    lse_all = np.full((q.shape[1], q.shape[0]), -np.inf, dtype=acc)
+    if out is not None:
+        o[...] = 0
+    for i, q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if q1 == q0:
+            continue
+        oi, li = forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], alibi_slopes=_slopes_of(alibi_slopes, i),
+                         batch_index=i, **kwargs)
+        o[q0:q1] = oi[0]
+        lse_all[:, q0:q1] = li[0]
+    return o, _store(lse_all, lse)
+
+
+def varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *, dq=None, dk=None, dv=None,
+                    alibi_slopes=None, **kwargs):
+    """Gradients of varlen_forward, sequence by sequence through `backward`; lse (nheads, total_q)."""
+    kwargs.pop("dsum", None)
+    grads = [np.zeros(x.shape, dtype=x.dtype) if g is None else g for x, g in ((q, dq), (k, dk), (v, dv))]
+    for g in grads:
+        g[...] = 0
+    for i, q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if q1 == q0 and k1 == k0:
+            continue
+        gi = backward(do[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], o[None, q0:q1],
+                      np.asarray(lse)[None, :, q0:q1], alibi_slopes=_slopes_of(alibi_slopes, i), batch_index=i,
+                      **kwargs)
+        grads[0][q0:q1], grads[1][k0:k1], grads[2][k0:k1] = gi[0][0], gi[1][0], gi[2][0]
+    return tuple(grads)
 
 
 def _store(result, dest):
