@@ -117,6 +117,16 @@ def _validate_qkv(q, k, v, layout: str):
     return dt, qb, kb, vb
 
 
+def _check_grad_outs(inputs: dict, dq, dk, dv, dtype: str) -> dict:
+    """dq=, dk=, dv= checked like out= (q's, k's, v's shape), and against each other; returns them."""
+    grads = {"dq": dq, "dk": dk, "dv": dv}
+    for (name, x), like in zip(grads.items(), (inputs["q"], inputs["k"], inputs["v"])):
+        if x is not None:
+            others = {**inputs, **{n: y for n, y in grads.items() if n != name and y is not None}}
+            _checks.check_out(x, tuple(like.shape), dtype, others, name=name)
+    return grads
+
+
 def lse_dtype(dtype: str) -> str:
     return "float64" if dtype == "float64" else "float32"
 
@@ -175,10 +185,12 @@ def flash_attn_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bsh
         if plan is not None:
             return plan(q, k, v, out)
     return _forward(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, backend=backend,
-                    out=out, key=key, window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)
+                    out=out, key=key,
+                    window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)
 
 
-def _forward(q, k, v, *, causal, softmax_scale, layout, backend, out, key=None, window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
+def _forward(q, k, v, *, causal, softmax_scale, layout, backend, out, key=None,
+             window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
     """The general path of flash_attn_forward; with a key, it may leave a plan for the signature."""
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
         _checks.check_array(name, x, optional=name == "out")
@@ -219,12 +231,14 @@ def flash_attn(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, l
     if return_lse.__class__ is not bool:  # the check only where it can fail: this runs on every call
         return_lse = _checks.check_flag("return_lse", return_lse)
     o, lse = flash_attn_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
-                                backend=backend, out=out, window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)
+                                backend=backend, out=out,
+                                window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)
     return (o, lse) if return_lse else o
 
 
 def flash_attn_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, layout="bshd", backend="auto",
-                        deterministic=False, dq=None, dk=None, dv=None, window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
+                        deterministic=False, dq=None, dk=None, dv=None,
+                        window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
     """Gradients (dq, dk, dv) of the forward call that produced (o, lse), given dout = dL/do.
 
     P is recomputed from q, k and lse; no N x N matrix is stored. dq=, dk=, dv=, when given, receive
@@ -241,11 +255,13 @@ def flash_attn_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None
         if plan is not None:
             return plan(do, q, k, v, o, lse, dq, dk, dv)
     return _backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, layout=layout,
-                     backend=backend, deterministic=deterministic, dq=dq, dk=dk, dv=dv, key=key, window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)
+                     backend=backend, deterministic=deterministic, dq=dq, dk=dk, dv=dv, key=key,
+                     window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)
 
 
 def _backward(do, q, k, v, o, lse, *, causal, softmax_scale, layout, backend, deterministic, dq=None, dk=None,
-              dv=None, key=None, window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
+              dv=None, key=None,
+              window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
     """The general path of flash_attn_backward; with a key, it may leave a plan for the signature."""
     for name, x in (("dout", do), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse),
                     ("dq", dq), ("dk", dk), ("dv", dv)):
@@ -262,11 +278,7 @@ def _backward(do, q, k, v, o, lse, *, causal, softmax_scale, layout, backend, de
     scale = _checks.check_softmax_scale(softmax_scale, d)
     vkw, what = _variants(causal, window, softcap, alibi_slopes, dropout_p, seed, offset, b, h)
     inputs = {"dout": do, "q": q, "k": k, "v": v, "o": o, "lse": lse}
-    grads = {"dq": dq, "dk": dk, "dv": dv}
-    for name, x, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        if x is not None:
-            others = {**inputs, **{n: y for n, y in grads.items() if n != name and y is not None}}
-            _checks.check_out(x, tuple(like.shape), dt, others, name=name)
+    grads = _check_grad_outs(inputs, dq, dk, dv, dt)
     call = _Call(q, layout, backend, {**inputs, **grads, "alibi_slopes": alibi_slopes}, what)
     with call.context():
         arrs, works = zip(*((x, call.working_out(x)) if x is not None else call.new(like.shape, numpy_dtype(dt))
@@ -322,7 +334,8 @@ def _varlen_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 
 def flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                              softmax_scale=None, backend="auto", out=None, check_inputs=False, window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
+                              softmax_scale=None, backend="auto", out=None, check_inputs=False,
+                              window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
     """Attention over a batch of sequences of different lengths, packed: returns (o, lse).
 
     q (total_q, nheads, head_dim), k, v (total_k, nheads_k, head_dim); cu_seqlens_q, cu_seqlens_k int32
@@ -354,18 +367,21 @@ def flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 
 
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                      softmax_scale=None, return_lse=False, backend="auto", out=None, check_inputs=False, window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
+                      softmax_scale=None, return_lse=False, backend="auto", out=None, check_inputs=False,
+                      window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
     """flash_attn_varlen_forward's o; with return_lse=True, (o, lse)."""
     return_lse = _checks.check_flag("return_lse", return_lse)
     o, lse = flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                        causal=causal, softmax_scale=softmax_scale, backend=backend, out=out,
-                                       check_inputs=check_inputs, window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)
+                                       check_inputs=check_inputs,
+                                       window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)
     return (o, lse) if return_lse else o
 
 
 def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                                causal=False, softmax_scale=None, backend="auto", deterministic=False, dq=None,
-                               dk=None, dv=None, check_inputs=False, window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
+                               dk=None, dv=None, check_inputs=False,
+                               window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
     """Gradients (dq, dk, dv) of the flash_attn_varlen_forward call that produced (o, lse); the same
     arguments as that call (dout and o like q, lse (nheads, total_q))."""
     causal, dt, scale, vkw, what = _varlen_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -380,11 +396,7 @@ def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, 
         raise ValueError(f"lse: expected shape {(q.shape[1], q.shape[0])} (nheads, total_q), got {tuple(lse.shape)}")
     _checks.check_lse(lse, tuple(lse.shape), lse_dtype(dt))
     inputs = {"dout": do, "q": q, "k": k, "v": v, "o": o, "lse": lse}
-    grads = {"dq": dq, "dk": dk, "dv": dv}
-    for name, x, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        if x is not None:
-            others = {**inputs, **{n: y for n, y in grads.items() if n != name and y is not None}}
-            _checks.check_out(x, tuple(like.shape), dt, others, name=name)
+    grads = _check_grad_outs(inputs, dq, dk, dv, dt)
     call = _Call(q, "bshd", backend, {**inputs, **grads, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
                                       "alibi_slopes": alibi_slopes}, what)
     with call.context():
