@@ -202,12 +202,12 @@ def test_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_simulated_ring_cuda(dtype, causal):
     """The simulated ring on one GPU with CuPy arrays and the CUDA backend, against single-device
-    cuflash: bf16 within 2x single-device's error vs float64 + 1e-2 (per-block outputs are rounded
-    to bf16 before merging), fp32 within 2x + 1e-5."""
+    cuflash: 16-bit dtypes within 2x single-device's error vs float64 + 1e-2 (bf16) or 2e-3 (fp16)
+    (per-block outputs are rounded before merging), fp32 within 2x + 1e-5, fp64 within 2x + 1e-12."""
     import cupy as cp
 
     from cuflash import reference
@@ -224,7 +224,7 @@ def test_simulated_ring_cuda(dtype, causal):
     o64, _ = reference.forward(f64(q), f64(k), f64(v), causal=causal)
     g64 = reference.backward(f64(do), f64(q), f64(k), f64(v), causal=causal)
     o, lse, dq, dk, dv = _run(q, k, v, do, world, causal, "cuda")
-    atol = 1e-2 if dtype == "bfloat16" else 1e-5
+    atol = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-5, "float64": 1e-12}[dtype]
     for name, x, ref, r64 in (("o", o, o_ref, o64), ("dq", dq, g_ref[0], g64[0]), ("dk", dk, g_ref[1], g64[1]),
                               ("dv", dv, g_ref[2], g64[2])):
         assert x.dtype == ref.dtype and x.shape == ref.shape
@@ -233,5 +233,5 @@ def test_simulated_ring_cuda(dtype, causal):
         err = float(cp.abs(f64(x) - r64).max())
         assert err <= 2 * single + atol * scale, f"{name}: ring err {err}, single-device err {single}"
     fin = cp.isfinite(lse_ref)
-    assert float(cp.abs(lse[fin] - lse_ref[fin]).max()) <= (1e-4 if dtype == "bfloat16" else 1e-5) * max(
+    assert float(cp.abs(lse[fin] - lse_ref[fin]).max()) <= (1e-4 if dtype in ("bfloat16", "float16") else 1e-5) * max(
         1.0, float(cp.abs(lse_ref[fin]).max()))
