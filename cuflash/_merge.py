@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _interop
-from .config import DTYPES
+from .config import DTYPES, acc_dtype
 
 __all__ = ["merge_states", "merge_states_list"]
 
@@ -36,11 +36,6 @@ def _xp(x):
 
         return cupy
     return np
-
-
-def acc_dtype(name: str) -> str:
-    """The accumulation dtype of an input dtype: float64 for float64, else float32."""
-    return "float64" if name == "float64" else "float32"
 
 
 def _dtype_name(x) -> str:

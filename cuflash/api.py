@@ -20,7 +20,7 @@ import functools
 import importlib
 
 from . import _checks, _interop, _mask, _philox, _plan
-from .config import numpy_dtype
+from .config import acc_dtype as lse_dtype, numpy_dtype
 
 # The variants' defaults. The plan cache is looked up only when every variant argument *is* its default
 # object (one chain of identity tests); anything else, an explicit 0.0 included, takes the general path.
@@ -125,10 +125,6 @@ def _check_grad_outs(inputs: dict, dq, dk, dv, dtype: str) -> dict:
             others = {**inputs, **{n: y for n, y in grads.items() if n != name and y is not None}}
             _checks.check_out(x, tuple(like.shape), dtype, others, name=name)
     return grads
-
-
-def lse_dtype(dtype: str) -> str:
-    return "float64" if dtype == "float64" else "float32"
 
 
 def _variants(causal, window, softcap, alibi_slopes, dropout_p, seed, offset, batch, nheads):

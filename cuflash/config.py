@@ -184,6 +184,11 @@ def dtype_name(dtype) -> str:
     return name
 
 
+def acc_dtype(name: str) -> str:
+    """The accumulation (and LSE) dtype of an input dtype: float64 for float64, else float32."""
+    return "float64" if name == "float64" else "float32"
+
+
 def numpy_dtype(name: str) -> np.dtype:
     """The NumPy dtype of a canonical name (bfloat16 through ml_dtypes)."""
     if name == "bfloat16":

@@ -41,10 +41,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _interop
-from ._merge import acc_dtype, from_acc, merge_into, to_acc
+from . import _checks, _interop
+from ._merge import _dtype_name, from_acc, merge_into, to_acc
 from .api import flash_attn_backward, flash_attn_forward
-from .config import DTYPES
+from .config import DTYPES, acc_dtype
 
 __all__ = ["ring_attention", "ring_attention_forward", "ring_attention_backward", "simulate_ring_forward",
            "simulate_ring_backward", "zigzag_shard", "zigzag_unshard", "step_tasks", "SimulatedRing", "NcclRing"]
@@ -62,10 +62,6 @@ def _xp(x):
     if _interop.is_numpy(x):
         return np
     raise TypeError(f"ring attention takes NumPy or CuPy arrays, got {type(x).__name__}")
-
-
-def _dtype_name(x) -> str:
-    return np.dtype(x.dtype).name if _interop.is_numpy(x) else str(x.dtype)
 
 
 _ALL = slice(None)
@@ -124,12 +120,6 @@ def _check_shards(q, k, v, causal, what="ring attention"):
             raise ValueError(f"{what}: causal (zig-zag) shards need equal, even local q and k lengths, "
                              f"got {q.shape[1]} and {k.shape[1]}")
     return name
-
-
-def _check_flag(name, x):
-    if x.__class__ is not bool:
-        raise TypeError(f"{name} must be a bool, got {x!r}")
-    return x
 
 
 def _check_world(rank, world):
@@ -372,7 +362,7 @@ def _check_all(shard_lists, names, causal):
 def simulate_ring_forward(q_shards, k_shards, v_shards, *, causal=False, softmax_scale=None, backend="auto",
                           ring: SimulatedRing | None = None):
     """All ranks' ring forward in one process: returns ([o_r], [lse_r]), rank by rank."""
-    causal = _check_flag("causal", causal)
+    causal = _checks.check_flag("causal", causal)
     world = _check_all([q_shards, k_shards, v_shards], ["q", "k", "v"], causal)
     for r in range(world):
         _check_shards(q_shards[r], k_shards[r], v_shards[r], causal)
@@ -386,7 +376,7 @@ def simulate_ring_forward(q_shards, k_shards, v_shards, *, causal=False, softmax
 def simulate_ring_backward(do_shards, q_shards, k_shards, v_shards, o_shards, lse_shards, *, causal=False,
                            softmax_scale=None, backend="auto", ring: SimulatedRing | None = None):
     """All ranks' ring backward in one process: returns ([dq_r], [dk_r], [dv_r])."""
-    causal = _check_flag("causal", causal)
+    causal = _checks.check_flag("causal", causal)
     world = _check_all([q_shards, k_shards, v_shards, do_shards, o_shards, lse_shards],
                        ["q", "k", "v", "dout", "o", "lse"], causal)
     for r in range(world):
@@ -422,7 +412,7 @@ def ring_attention_forward(q, k, v, comm, *, causal=False, softmax_scale=None, b
 
     q, k, v: this rank's shards (zig-zag shards when causal, see `zigzag_shard`); comm: the ring
     (`NcclRing`, or any object with rank, world and sendrecv)."""
-    causal = _check_flag("causal", causal)
+    causal = _checks.check_flag("causal", causal)
     _check_world(comm.rank, comm.world)
     _check_shards(q, k, v, causal)
     return _drive_one(_forward_rank(q, k, v, comm.rank, comm.world, causal, softmax_scale, backend), comm)
@@ -431,7 +421,7 @@ def ring_attention_forward(q, k, v, comm, *, causal=False, softmax_scale=None, b
 def ring_attention_backward(do, q, k, v, o, lse, comm, *, causal=False, softmax_scale=None, backend="auto"):
     """This rank's ring attention backward: (dq, dk, dv) of its shards, given the (o, lse) that
     ring_attention_forward returned here and dout = dL/do of the local rows."""
-    causal = _check_flag("causal", causal)
+    causal = _checks.check_flag("causal", causal)
     _check_world(comm.rank, comm.world)
     _check_backward_extra(do, q, k, v, o, lse, causal)
     return _drive_one(_backward_rank(do, q, k, v, o, lse, comm.rank, comm.world, causal, softmax_scale, backend),
