@@ -313,11 +313,3 @@ def check_max_seqlen(name: str, value, longest: int | None) -> int:
     if longest is not None and value < longest:
         raise ValueError(f"{name}: must be >= the longest sequence ({longest}), got {value}")
     return value
-
-
-def check_backend_variants(backend: str, auto: bool, what: list) -> None:
-    """Backends whose kernels have no variants yet refuse them: no silent fallback."""
-    if not what or backend == "numpy":
-        return
-    chosen = f"backend={backend!r} (chosen by backend='auto')" if auto else f"backend={backend!r}"
-    raise RuntimeError(f"{chosen} does not implement {', '.join(what)} yet; pass backend='numpy'")

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _mask, _philox
+from .config import variant_bits
+
 _i64, _f64, _i32, _f32, _ptr = np.int64, np.float64, np.int32, np.float32, np.uint64
 
 
@@ -24,7 +27,9 @@ FWD_PARAMS = np.dtype(
         ("softmax_scale", _f64), ("scale_log2", _f64),
         ("batch", _i32), ("nheads", _i32), ("nheads_k", _i32),
         ("seqlen_q", _i32), ("seqlen_k", _i32), ("head_dim", _i32),
-        ("window_left", _i32), ("window_right", _i32), ("softcap", _f32), ("pad0", _i32),
+        ("cu_seqlens_q", _ptr), ("cu_seqlens_k", _ptr), ("alibi_slopes", _ptr), ("alibi_batch_stride", _i64),
+        ("seed", np.uint64), ("window_left", _i32), ("window_right", _i32), ("softcap", _f32),
+        ("dropout_scale", _f32), ("dropout_threshold", np.uint32), ("offset", np.uint32),
     ],
     align=True,
 )
@@ -68,14 +73,27 @@ def _set_bhs(p, name: str, a) -> None:
     p[f"{name}_batch_stride"], p[f"{name}_head_stride"] = sb, sh
 
 
-def fwd_params(q, k, v, o, lse, softmax_scale: float):
-    """Pack a forward call. q/k/v/o are CuPy (batch, seqlen, heads, head_dim) views, lse (b, h, s)."""
+def variant(causal: bool, varlen=None, window=_mask.NO_WINDOW, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+            **_) -> int:
+    """The kVariant bits a call needs (config.LOCAL, SOFTCAP, ALIBI, DROPOUT, VARLEN)."""
+    return variant_bits(local=not _mask.is_plain(*_mask.effective_window(causal, window)), softcap=bool(softcap),
+                        alibi=alibi_slopes is not None, dropout=bool(dropout_p), varlen=varlen is not None)
+
+
+def fwd_params(q, k, v, o, lse, softmax_scale: float, causal: bool, varlen=None, **variants):
+    """Pack a forward call. q/k/v/o are CuPy (batch, seqlen, heads, head_dim) views, lse (b, h, s);
+    variants: the api's window, softcap, alibi_slopes, dropout_p, seed, offset.
+
+    varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) with q/k/v/o the packed arrays
+    as (1, total, heads, head_dim) views and lse (1, heads, total_q): batch strides become 0 and the
+    kernels take each sequence's rows from cu_seqlens."""
     p = np.zeros((), dtype=FWD_PARAMS)
-    _fill_fwd(p, q, k, v, o, lse, softmax_scale)
+    _fill_fwd(p, q, k, v, o, lse, softmax_scale, causal, varlen, **variants)
     return p
 
 
-def _fill_fwd(p, q, k, v, o, lse, softmax_scale: float) -> None:
+def _fill_fwd(p, q, k, v, o, lse, softmax_scale: float, causal: bool, varlen=None, window=_mask.NO_WINDOW,
+              softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=0, offset=0) -> None:
     p["q"], p["k"], p["v"], p["o"], p["lse"] = (_ptr_of(a) for a in (q, k, v, o, lse))
     for name, a in (("q", q), ("k", k), ("v", v), ("o", o)):
         _set_bshd(p, name, a)
@@ -85,15 +103,31 @@ def _fill_fwd(p, q, k, v, o, lse, softmax_scale: float) -> None:
     b, sq, h, d = q.shape
     p["batch"], p["nheads"], p["nheads_k"] = b, h, k.shape[2]
     p["seqlen_q"], p["seqlen_k"], p["head_dim"] = sq, k.shape[1], d
-    p["window_left"], p["window_right"], p["softcap"] = -1, -1, 0.0
+    if varlen is not None:
+        cu_q, cu_k, max_q, max_k = varlen
+        p["cu_seqlens_q"], p["cu_seqlens_k"] = _ptr_of(cu_q), _ptr_of(cu_k)
+        p["batch"], p["seqlen_q"], p["seqlen_k"] = cu_q.shape[0] - 1, max_q, max_k
+        for name in ("q", "k", "v", "o", "lse"):
+            p[f"{name}_batch_stride"] = 0
+    p["window_left"], p["window_right"] = _mask.effective_window(causal, window)
+    p["softcap"] = softcap
+    if alibi_slopes is not None:
+        p["alibi_slopes"] = _ptr_of(alibi_slopes)
+        p["alibi_batch_stride"] = alibi_slopes.strides[0] // alibi_slopes.itemsize if alibi_slopes.ndim == 2 else 0
+    p["seed"], p["offset"] = seed, offset
+    p["dropout_threshold"], p["dropout_scale"] = _philox.threshold(dropout_p), 1.0 / (1.0 - dropout_p)
 
 
-def bwd_params(do, q, k, v, o, lse, dq, dk, dv, dsum, softmax_scale: float):
-    """Pack a backward call; dsum (b, h, s) receives D = rowsum(dO * O)."""
+def bwd_params(do, q, k, v, o, lse, dq, dk, dv, dsum, softmax_scale: float, causal: bool, varlen=None, **variants):
+    """Pack a backward call; dsum (b, h, s) receives D = rowsum(dO * O). varlen and variants as for
+    fwd_params (do, dq, dk, dv packed like q, k, v; dsum like lse)."""
     p = np.zeros((), dtype=BWD_PARAMS)
-    _fill_fwd(p["fwd"], q, k, v, o, lse, softmax_scale)
+    _fill_fwd(p["fwd"], q, k, v, o, lse, softmax_scale, causal, varlen, **variants)
     p["dout"], p["dq"], p["dk"], p["dv"], p["dsum"] = (_ptr_of(a) for a in (do, dq, dk, dv, dsum))
     for name, a in (("do", do), ("dq", dq), ("dk", dk), ("dv", dv)):
         _set_bshd(p, name, a)
     _set_bhs(p, "dsum", dsum)
+    if varlen is not None:
+        for name in ("do", "dq", "dk", "dv", "dsum"):
+            p[f"{name}_batch_stride"] = 0
     return p

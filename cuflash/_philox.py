@@ -11,10 +11,14 @@ Specification (what the CUDA kernels must reproduce bit for bit):
   Ten rounds; between consecutive rounds the key is bumped, k0 += 0x9E3779B9, k1 += 0xBB67AE85
   (mod 2**32). The output is the counter after round 10.
 * Key: (seed & 0xFFFFFFFF, seed >> 32), for 0 <= seed < 2**64.
-* Counter of score element (batch b, head h, row, col), row and col counted from the start of the
-  sequence: (col // 4, row, b * nheads + h, offset); with varlen, b is the sequence index.
-* The element uses output word col % 4, and is kept iff that uint32 >= threshold, with
-  threshold = floor(dropout_p * 2**32). Kept elements are scaled by 1 / (1 - dropout_p).
+* One call serves the 8 scores of a 16 x 16 tile that one thread holds in the mma.sync C layout
+  (rows g, g + 8; columns 2t, 2t + 1, 2t + 8, 2t + 9, with g = row % 8 and t = (col % 8) // 2).
+  Score (batch b, head h, row, col), row and col counted from the start of the sequence (with
+  varlen, b is the sequence index), takes the call with counter
+  (col // 16 * 4 + t, row // 16 * 8 + g, b * nheads + h, offset), output word
+  2 * (row % 16 // 8) + col % 16 // 8, and of that word the 16-bit half col % 2 (0: the low half).
+* It is kept iff that 16-bit draw >= threshold = floor(dropout_p * 2**16), so the drop probability
+  is dropout_p rounded down to a multiple of 2**-16. Kept scores are scaled by 1 / (1 - dropout_p).
 """
 
 from __future__ import annotations
@@ -51,33 +55,36 @@ def philox4x32(c0, c1, c2, c3, k0, k1, xp=np, rounds: int = ROUNDS):
 
 
 def threshold(dropout_p: float) -> int:
-    """floor(dropout_p * 2**32): an element is kept iff its uint32 is >= this."""
-    return int(math.floor(float(dropout_p) * 2.0**32))
+    """floor(dropout_p * 2**16): a score is kept iff its 16-bit draw is >= this."""
+    return int(math.floor(float(dropout_p) * 2.0**16))
 
 
 def keep(dropout_p, seed, offset, bh, rows, cols, xp=np):
     """The keep mask of a tile: bool of shape broadcast(bh[..., None, None], rows[:, None], cols[None, :]).
 
-    bh: the b * nheads + h indices (any shape), rows and cols: 1-D index ranges within the sequence
-    (cols contiguous, as tiles are). Each Philox call serves 4 consecutive columns."""
+    bh: the b * nheads + h indices (any shape); rows and cols: contiguous 1-D index ranges within the
+    sequence. One Philox call per (16-row group, 16-column group, g, t), as the kernels make them."""
     bh = xp.asarray(bh, dtype=xp.int64)
     rows = xp.asarray(rows, dtype=xp.int64)
-    ncols = int(cols.shape[0])
-    out_shape = tuple(bh.shape) + (int(rows.shape[0]), ncols)
-    if ncols == 0 or 0 in out_shape:
+    cols = xp.asarray(cols, dtype=xp.int64)
+    out_shape = tuple(bh.shape) + (int(rows.shape[0]), int(cols.shape[0]))
+    if 0 in out_shape:
         return xp.ones(out_shape, dtype=bool)
-    col0 = int(cols[0])
-    g0, g1 = col0 // 4, (col0 + ncols - 1) // 4 + 1
-    groups = xp.arange(g0, g1, dtype=xp.int64)
+    r16_0, c16_0 = int(rows[0]) // 16, int(cols[0]) // 16
+    r16 = xp.arange(r16_0, int(rows[-1]) // 16 + 1, dtype=xp.int64)
+    c16 = xp.arange(c16_0, int(cols[-1]) // 16 + 1, dtype=xp.int64)
+    lanes_g, lanes_t = xp.arange(8, dtype=xp.int64), xp.arange(4, dtype=xp.int64)
+    # calls indexed (..., row16, g, col16, t)
+    c0 = (c16[:, None] * 4 + lanes_t[None, :])[None, None, :, :]
+    c1 = (r16[:, None] * 8 + lanes_g[None, :])[:, :, None, None]
     seed, offset = int(seed), int(offset)
-    words = philox4x32(groups[None, :], rows[:, None], bh[..., None, None], offset & _MASK32,
-                       seed & _MASK32, seed >> 32, xp=xp)
-    bits = xp.stack(words, axis=-1).reshape(out_shape[:-1] + (4 * (g1 - g0),))
-    start = col0 - 4 * g0
-    bits = bits[..., start:start + ncols]
-    return bits >= xp.uint32(threshold(dropout_p))
-
-
+    words = philox4x32(c0, c1, bh[..., None, None, None, None], offset & _MASK32, seed & _MASK32, seed >> 32, xp=xp)
+    words = xp.stack(words, axis=-1)  # (..., row16, g, col16, t, 4)
+    ri, ci = rows[:, None], cols[None, :]
+    word = 2 * (ri % 16 // 8) + ci % 16 // 8
+    w = words[..., ri // 16 - r16_0, ri % 8, ci // 16 - c16_0, ci % 8 // 2, word]
+    draw = xp.where(ci % 2 == 1, w >> xp.uint32(16), w & xp.uint32(0xFFFF))
+    return draw >= xp.uint32(threshold(dropout_p))
 def dropout_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, *, dropout_p: float, seed: int,
                  offset: int = 0, xp=np):
     """The boolean keep mask (batch, nheads, seqlen_q, seqlen_k) that every backend uses for these

@@ -9,8 +9,7 @@ launches straight away. A miss takes the general path below: validate, import th
 backend, and, where the signature allows, leave a plan for the next call.
 
 Variants (window, softcap, alibi_slopes, dropout_p with seed and offset; the varlen functions) run on
-the NumPy backend; the CUDA and Numba backends refuse them with a RuntimeError until their kernels
-have them. A call with any variant argument not at its default never uses the plan cache.
+every backend. A call with any variant argument not at its default never uses the plan cache.
 """
 
 from __future__ import annotations
@@ -42,11 +41,9 @@ def _choose(name: str) -> tuple[str, bool]:
     return name, False
 
 
-def _backend(name: str, what=()):
-    """The backend module for a request; a RuntimeError says why a forced one cannot run here, or
-    that it does not implement the variants in `what`."""
+def _backend(name: str):
+    """The backend module for a request; a RuntimeError says why a forced one cannot run here."""
     name, auto = _choose(name)
-    _checks.check_backend_variants(name, auto, list(what))
     mod = importlib.import_module(f".backends.{name}", __package__)
     ok, why = mod.available()
     if not ok:
@@ -69,10 +66,10 @@ def _unit_last_stride(x):
 class _Call:
     """Shared plumbing of the forward and backward entry points (the general path)."""
 
-    def __init__(self, q, layout: str, backend: str, arrays: dict, what=()):
+    def __init__(self, q, layout: str, backend: str, arrays: dict):
         self.caller = _interop.classify(q)
         _interop.check_devices(**arrays)
-        self.be = _backend(backend, what)
+        self.be = _backend(backend)
         self.on_device = getattr(self.be, "ON_DEVICE", False)
         self.layout = layout
 
@@ -166,7 +163,7 @@ def flash_attn_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bsh
     lse[b, h, i] = log(sum_j exp(softmax_scale * q_i . k_j)) over the keys row i sees
     (-inf, with o = 0, for a row that sees none).
 
-    Variants (FlashAttention 2's semantics; NumPy backend only for now): window=(left, right) with -1
+    Variants (FlashAttention 2's semantics): window=(left, right) with -1
     unbounded (row i, at key position i' = i + seqlen_k - seqlen_q, sees keys i' - left ..
     i' + right; causal sets right = 0); softcap=c > 0 (scores c * tanh(score / c)); alibi_slopes,
     float32 (nheads,) or (batch, nheads) (bias -slope * |i' - j| after the softcap, in the LSE);
@@ -198,7 +195,7 @@ def _forward(q, k, v, *, causal, softmax_scale, layout, backend, out, key=None,
     vkw, what = _variants(causal, window, softcap, alibi_slopes, dropout_p, seed, offset, b, h)
     if out is not None:
         _checks.check_out(out, tuple(q.shape), dt, {"q": q, "k": k, "v": v})
-    call = _Call(q, layout, backend, {"q": q, "k": k, "v": v, "out": out, "alibi_slopes": alibi_slopes}, what)
+    call = _Call(q, layout, backend, {"q": q, "k": k, "v": v, "out": out, "alibi_slopes": alibi_slopes})
     outputs = () if out is None else (out,)
     with call.context():
         o_arr, o_work = call.new(q.shape, numpy_dtype(dt)) if out is None else (out, call.working_out(out))
@@ -275,7 +272,7 @@ def _backward(do, q, k, v, o, lse, *, causal, softmax_scale, layout, backend, de
     vkw, what = _variants(causal, window, softcap, alibi_slopes, dropout_p, seed, offset, b, h)
     inputs = {"dout": do, "q": q, "k": k, "v": v, "o": o, "lse": lse}
     grads = _check_grad_outs(inputs, dq, dk, dv, dt)
-    call = _Call(q, layout, backend, {**inputs, **grads, "alibi_slopes": alibi_slopes}, what)
+    call = _Call(q, layout, backend, {**inputs, **grads, "alibi_slopes": alibi_slopes})
     with call.context():
         arrs, works = zip(*((x, call.working_out(x)) if x is not None else call.new(like.shape, numpy_dtype(dt))
                             for x, like in ((dq, q), (dk, k), (dv, v))))
@@ -305,7 +302,9 @@ def _backward(do, q, k, v, o, lse, *, causal, softmax_scale, layout, backend, de
 
 def _varlen_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                    check_inputs, variants):
-    """Validation shared by the varlen forward and backward: (dtype, scale, backend kwargs, what)."""
+    """Validation shared by the varlen forward and backward: (causal, dtype, scale, backend kwargs, what,
+    (max_seqlen_q, max_seqlen_k)). The longest lengths size the kernels' grids: where cu_seqlens are
+    not checked (on the device, check_inputs=False), they must be right, as in FlashAttention."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _checks.check_array(name, x)
         _checks.check_ndim_packed(name, x)
@@ -322,11 +321,11 @@ def _varlen_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         # Reading device values needs a sync: only with check_inputs=True.
         if _interop.is_numpy(cu) or check_inputs:
             longest[name] = _checks.check_cu_seqlens_values(name, _interop.to_host(cu), int(x.shape[0]), packed)
-    _checks.check_max_seqlen("max_seqlen_q", max_seqlen_q, longest.get("cu_seqlens_q"))
-    _checks.check_max_seqlen("max_seqlen_k", max_seqlen_k, longest.get("cu_seqlens_k"))
+    max_q = _checks.check_max_seqlen("max_seqlen_q", max_seqlen_q, longest.get("cu_seqlens_q"))
+    max_k = _checks.check_max_seqlen("max_seqlen_k", max_seqlen_k, longest.get("cu_seqlens_k"))
     scale = _checks.check_softmax_scale(softmax_scale, q.shape[-1])
     vkw, what = _variants(causal, *variants, batch, q.shape[1])
-    return causal, dt, scale, vkw, ["varlen", *what]
+    return causal, dt, scale, vkw, ["varlen", *what], (max_q, max_k)
 
 
 def flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
@@ -339,23 +338,23 @@ def flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     allowed); max_seqlen_q, max_seqlen_k the longest lengths. o like q, lse (nheads, total_q). Each
     sequence is attended on its own, with the dense functions' semantics and variants (for dropout
     the batch index is the sequence index). cu_seqlens held on the host are always checked; device
-    arrays only with check_inputs=True (it costs a sync). NumPy backend only for now.
+    arrays only with check_inputs=True (it costs a sync).
     """
-    causal, dt, scale, vkw, what = _varlen_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    causal, dt, scale, vkw, what, (max_q, max_k) = _varlen_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                   causal, softmax_scale, check_inputs,
                                                   (window, softcap, alibi_slopes, dropout_p, seed, offset))
     _checks.check_array("out", out, optional=True)
     if out is not None:
         _checks.check_out(out, tuple(q.shape), dt, {"q": q, "k": k, "v": v})
     call = _Call(q, "bshd", backend, {"q": q, "k": k, "v": v, "out": out, "cu_seqlens_q": cu_seqlens_q,
-                                      "cu_seqlens_k": cu_seqlens_k, "alibi_slopes": alibi_slopes}, what)
+                                      "cu_seqlens_k": cu_seqlens_k, "alibi_slopes": alibi_slopes})
     with call.context():
         o_arr, o_work = call.new(q.shape, numpy_dtype(dt)) if out is None else (out, call.working_out(out))
         lse_arr, lse = call.new((q.shape[1], q.shape[0]), lse_dtype(dt))
         ins = [call.working(n, x) for n, x in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
                                                 ("cu_seqlens_k", cu_seqlens_k))]
-        call.be.varlen_forward(*ins, causal=causal, softmax_scale=scale, out=o_work, lse=lse,
-                               **_working_variants(call, vkw))
+        call.be.varlen_forward(*ins, max_seqlen_q=max_q, max_seqlen_k=max_k, causal=causal,
+                               softmax_scale=scale, out=o_work, lse=lse, **_working_variants(call, vkw))
     if out is None:
         return call.result(o_arr), call.result(lse_arr)
     call.write_back(out, o_work)
@@ -380,7 +379,7 @@ def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, 
                                window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
     """Gradients (dq, dk, dv) of the flash_attn_varlen_forward call that produced (o, lse); the same
     arguments as that call (dout and o like q, lse (nheads, total_q))."""
-    causal, dt, scale, vkw, what = _varlen_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    causal, dt, scale, vkw, what, (max_q, max_k) = _varlen_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                   causal, softmax_scale, check_inputs,
                                                   (window, softcap, alibi_slopes, dropout_p, seed, offset))
     deterministic = _checks.check_flag("deterministic", deterministic)
@@ -394,14 +393,15 @@ def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, 
     inputs = {"dout": do, "q": q, "k": k, "v": v, "o": o, "lse": lse}
     grads = _check_grad_outs(inputs, dq, dk, dv, dt)
     call = _Call(q, "bshd", backend, {**inputs, **grads, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
-                                      "alibi_slopes": alibi_slopes}, what)
+                                      "alibi_slopes": alibi_slopes})
     with call.context():
         arrs, works = zip(*((x, call.working_out(x)) if x is not None else call.new(like.shape, numpy_dtype(dt))
                             for x, like in ((dq, q), (dk, k), (dv, v))))
         ins = [call.working(n, x) for n, x in (("dout", do), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse),
                                                 ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))]
-        call.be.varlen_backward(*ins, causal=causal, softmax_scale=scale, deterministic=deterministic,
-                                dq=works[0], dk=works[1], dv=works[2], **_working_variants(call, vkw))
+        call.be.varlen_backward(*ins, max_seqlen_q=max_q, max_seqlen_k=max_k, causal=causal,
+                                softmax_scale=scale, deterministic=deterministic, dq=works[0], dk=works[1],
+                                dv=works[2], **_working_variants(call, vkw))
     for x, w in zip((dq, dk, dv), works):
         if x is not None:
             call.write_back(x, w)
@@ -411,8 +411,9 @@ def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, 
 def dropout_mask(batch, nheads, seqlen_q, seqlen_k, *, dropout_p, seed, offset=0):
     """The boolean keep mask (batch, nheads, seqlen_q, seqlen_k), NumPy, that every backend uses for these
     dropout arguments (True: kept and scaled by 1 / (1 - dropout_p)). The generator is specified in
-    cuflash/_philox.py: Philox4x32-10, key (seed & 0xFFFFFFFF, seed >> 32), counter
-    (col // 4, row, batch * nheads + head, offset), word col % 4, kept iff >= floor(dropout_p * 2**32)."""
+    cuflash/_philox.py: Philox4x32-10 keyed by the seed, one call per 8 scores (the counter holds the
+    16 x 16 tile, the position in it, batch * nheads + head and offset), a score kept iff its 16-bit
+    draw is >= floor(dropout_p * 2**16)."""
     sizes = [_checks.check_count(n, x) for n, x in (("batch", batch), ("nheads", nheads), ("seqlen_q", seqlen_q),
                                                     ("seqlen_k", seqlen_k))]
     return _philox.dropout_mask(*sizes, dropout_p=_checks.check_dropout_p(dropout_p), seed=_checks.check_seed(seed),

@@ -1,9 +1,10 @@
 """Kernel configurations: which compiled kernel serves a call, and the heuristic that picks it.
 
 Pure Python, testable without a GPU. A `KernelConfig` maps one-to-one to a C++ template
-instantiation, e.g. ``cuflash::flash_fwd<__nv_bfloat16, 128, 128, 32, 4, true>`` (bf16, head dim 128, causal); template arguments
-are what changes the code's shape (dtype, head dim, tiles, warps, causal), and everything else
-travels in the params struct (see kernels_cu/params.cuh). A kernel takes only the template arguments
+instantiation, e.g. ``cuflash::flash_fwd<__nv_bfloat16, 128, 128, 32, 4, 1>`` (bf16, head dim 128,
+causal); template arguments are what changes the code's shape (dtype, head dim, tiles, warps, and
+the variants it applies, `variant`), and everything else travels in the params struct (see
+kernels_cu/params.cuh). A kernel takes only the template arguments
 it uses (TEMPLATE_PARAMS): flash_bwd_preprocess has one instantiation per dtype.
 """
 
@@ -47,10 +48,26 @@ SOURCES = {
 
 # Template parameters of each kernel, in order, as KernelConfig fields. A field a kernel does not take
 # is 0 (or False) in its configs, so that one config is one instantiation.
-_TEMPLATE_PARAMS = ("dtype", "head_dim", "block_m", "block_n", "warps", "causal")
+_TEMPLATE_PARAMS = ("dtype", "head_dim", "block_m", "block_n", "warps", "variant")
 TEMPLATE_PARAMS = {k: _TEMPLATE_PARAMS for k in SOURCES} | {
-    "flash_bwd_preprocess": ("dtype", "block_m", "warps"),  # D = rowsum(dO * O): any head_dim, no mask
+    "flash_bwd_preprocess": ("dtype", "block_m", "warps", "variant"),  # D = rowsum(dO * O): VARLEN alone
 }
+
+
+# kVariant bits (kernels_cu/mask.cuh): the variants a kernel instantiation applies; their values (the
+# window, softcap, slopes, seed, cu_seqlens) travel in the params. A plain call pays for none of them.
+LOCAL = 1  # causal and / or a sliding window
+SOFTCAP = 2
+ALIBI = 4
+DROPOUT = 8
+VARLEN = 16  # packed sequences: rows and lengths from cu_seqlens
+VARIANT_NAMES = {LOCAL: "local", SOFTCAP: "softcap", ALIBI: "alibi", DROPOUT: "dropout", VARLEN: "varlen"}
+ALL_VARIANTS = LOCAL | SOFTCAP | ALIBI | DROPOUT | VARLEN
+
+
+def variant_bits(*, local=False, softcap=False, alibi=False, dropout=False, varlen=False) -> int:
+    bits = ((LOCAL, local), (SOFTCAP, softcap), (ALIBI, alibi), (DROPOUT, dropout), (VARLEN, varlen))
+    return sum(bit for bit, on in bits if on)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +78,7 @@ class KernelConfig:
     block_m: int  # query rows per tile
     block_n: int  # key rows per tile; 0 where the kernel takes none
     warps: int
-    causal: bool
+    variant: int  # kVariant: a sum of LOCAL, SOFTCAP, ALIBI, DROPOUT, VARLEN
 
     @property
     def source(self) -> str:
@@ -75,7 +92,14 @@ class KernelConfig:
     def label(self) -> str:
         """A short description for progress lines ("flash_fwd bfloat16 d=128"; no d= for kernels
         compiled for every head dim)."""
-        return f"{self.kernel} {self.dtype}" + (f" d={self.head_dim}" if self.head_dim else "")
+        names = [n for bit, n in VARIANT_NAMES.items() if self.variant & bit]
+        return f"{self.kernel} {self.dtype}" + (f" d={self.head_dim}" if self.head_dim else "") + "".join(
+            f" {n}" for n in names)
+
+    @property
+    def local(self) -> bool:
+        """Causal and / or windowed: the mask's bounds are read at run time."""
+        return bool(self.variant & LOCAL)
 
     @property
     def template_name(self) -> str:
@@ -83,8 +107,6 @@ class KernelConfig:
             value = getattr(self, field)
             if field == "dtype":
                 return CTYPES[value]
-            if isinstance(value, bool):
-                return "true" if value else "false"
             return str(value)
 
         return f"cuflash::{self.kernel}<{', '.join(arg(f) for f in TEMPLATE_PARAMS[self.kernel])}>"
@@ -159,15 +181,15 @@ def compiled_head_dim(head_dim: int) -> int:
     raise ValueError(f"head_dim must be <= {MAX_HEAD_DIM}, got {head_dim}")
 
 
-def _make(kernel: str, dtype: str, head_dim: int, causal: bool) -> KernelConfig:
+def _make(kernel: str, dtype: str, head_dim: int, variant: int) -> KernelConfig:
     d = compiled_head_dim(head_dim)
     bm, bn, warps = _TILES[kernel][d]
-    return KernelConfig(kernel, dtype, d, bm, bn, warps, bool(causal))
+    return KernelConfig(kernel, dtype, d, bm, bn, warps, int(variant))
 
 
-def _preprocess(dtype: str) -> KernelConfig:
+def _preprocess(dtype: str, variant: int) -> KernelConfig:
     bm, warps = _PREPROCESS_TILE
-    return KernelConfig("flash_bwd_preprocess", dtype, 0, bm, 0, warps, False)
+    return KernelConfig("flash_bwd_preprocess", dtype, 0, bm, 0, warps, variant & VARLEN)
 
 
 def dtype_name(dtype) -> str:
@@ -198,29 +220,35 @@ def numpy_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
-def choose_forward(dtype, head_dim: int, causal: bool) -> KernelConfig:
+def choose_forward(dtype, head_dim: int, variant: int) -> KernelConfig:
+    """The forward config of a call; variant: variant_bits(...) (LOCAL alone for a causal call)."""
     dt = dtype_name(dtype)
     kernel = "flash_fwd" if dt in TENSOR_CORE_DTYPES else "flash_fwd_simt"
-    return _make(kernel, dt, head_dim, causal)
+    return _make(kernel, dt, head_dim, variant)
 
 
-def choose_backward(dtype, head_dim: int, causal: bool) -> tuple[KernelConfig, KernelConfig, KernelConfig]:
+def choose_backward(dtype, head_dim: int, variant: int) -> tuple[KernelConfig, KernelConfig, KernelConfig]:
     """(preprocess, dK/dV, dQ) configs for one backward call."""
     dt = dtype_name(dtype)
     suffix = "" if dt in TENSOR_CORE_DTYPES else "_simt"
     return (
-        _preprocess(dt),  # D = rowsum(dO * O): one per dtype, any head_dim, no mask
-        _make("flash_bwd_dkdv" + suffix, dt, head_dim, causal),
-        _make("flash_bwd_dq" + suffix, dt, head_dim, causal),
+        _preprocess(dt, variant),  # D = rowsum(dO * O): any head_dim, dense or varlen
+        _make("flash_bwd_dkdv" + suffix, dt, head_dim, variant),
+        _make("flash_bwd_dq" + suffix, dt, head_dim, variant),
     )
 
 
+# The instantiations the compile gate and `cuflash compile` build per (dtype, head dim): plain, causal,
+# and every variant at once (the most registers; other combinations compile on first use).
+GATED_VARIANTS = (0, LOCAL, ALL_VARIANTS)
+
+
 def all_configs() -> list[KernelConfig]:
-    """Every config the heuristics can return: what the compile gate and `cuflash compile` build."""
+    """The configs the compile gate checks and `cuflash compile` builds (GATED_VARIANTS)."""
     out: list[KernelConfig] = []
     for dt in DTYPES:
         for d in HEAD_DIMS:
-            for causal in (False, True):
-                cfgs = [choose_forward(dt, d, causal), *choose_backward(dt, d, causal)]
+            for variant in GATED_VARIANTS:
+                cfgs = [choose_forward(dt, d, variant), *choose_backward(dt, d, variant)]
                 out.extend(c for c in cfgs if c not in out)
     return out

@@ -104,14 +104,16 @@ __device__ __forceinline__ void store_tile(T* gbase, long long row_stride, const
 // c2,c3 = row g+8) times `scale` into a 16-bit shared tile (pitch kPitch) at (row0, col0).
 template <typename T, int kNTiles, int kPitch>
 __device__ __forceinline__ void acc_to_smem(T* smem, const float (&acc)[kNTiles][4], int row0, int col0, int lane,
-                                            float scale) {
+                                            float scale, bool relu = false) {
+    // relu: negative entries as 0 (the dK/dV kernel keeps dropped P entries as -P)
+    auto x = [scale, relu](float v) { return (relu ? fmaxf(v, 0.f) : v) * scale; };
     const int g = lane >> 2, t = lane & 3;
     T* r0 = smem + (row0 + g) * kPitch + col0 + 2 * t;
     T* r8 = r0 + 8 * kPitch;
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
-        *reinterpret_cast<unsigned*>(r0 + nt * 8) = pack2<T>(acc[nt][0] * scale, acc[nt][1] * scale);
-        *reinterpret_cast<unsigned*>(r8 + nt * 8) = pack2<T>(acc[nt][2] * scale, acc[nt][3] * scale);
+        *reinterpret_cast<unsigned*>(r0 + nt * 8) = pack2<T>(x(acc[nt][0]), x(acc[nt][1]));
+        *reinterpret_cast<unsigned*>(r8 + nt * 8) = pack2<T>(x(acc[nt][2]), x(acc[nt][3]));
     }
 }
 

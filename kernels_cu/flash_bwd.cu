@@ -7,9 +7,16 @@
 // (it saw no key) takes the offset +inf so that its P is exactly 0, never NaN.
 //
 // Fragment layouts (mma.sync m16n8k16, ldmatrix) are spelled out in mma.cuh.
+//
+// Variants (kVariant, mask.cuh) as in the forward: the mask gives each kernel's loop range, S passes
+// through ScoreMod and the mask before P is recomputed. A softcap multiplies dS by its derivative
+// 1 - tanh^2. Dropout regenerates the forward's keep mask: dV takes the dropped P, and dL/dP is
+// dO V^T on kept entries times 1 / (1 - p), 0 on dropped ones; D = rowsum(dO * O) holds as it is.
 #include "params.cuh"
 #include "common.cuh"
+#include "seqinfo.cuh"
 #include "mask.cuh"
+#include "dropout.cuh"
 #include "mma.cuh"
 #include "copy.cuh"
 
@@ -34,19 +41,22 @@ __device__ __forceinline__ int recompute(int x) {
 
 // D = rowsum(dO * O), one warp per row (lanes stride over head_dim), accumulated in acc_t<T>.
 // Grid (ceil(seqlen_q / kBlockM), nheads, batch); rows >= seqlen_q are not written. No shared memory.
-// Takes no head dim, key tile or mask: one instantiation per dtype serves every head_dim and both
-// masks (config: head_dim = block_n = 0, causal = false).
-template <typename T, int kBlockM, int kNWarps>
+// Takes no head dim, key tile or mask: one instantiation per dtype serves every head_dim and every
+// variant but kVarlen, its only bit of kVariant (config: head_dim = block_n = 0).
+template <typename T, int kBlockM, int kNWarps, int kVariant>
 __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_preprocess(const __grid_constant__ BwdParams p) {
     using A = acc_t<T>;
 
     // [1] Preprocess: D = rowsum(dO * O)
     const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int seqlen_q = p.fwd.seqlen_q, head_dim = p.fwd.head_dim;
-    const T* o = static_cast<const T*>(p.fwd.o) + batch * p.fwd.o_batch_stride + head * p.fwd.o_head_stride;
-    const T* dout = static_cast<const T*>(p.dout) + batch * p.do_batch_stride + head * p.do_head_stride;
-    A* dsum = static_cast<A*>(p.dsum) + batch * p.dsum_batch_stride + head * p.dsum_head_stride;
+    const SeqInfo<(kVariant & kVarlen) != 0> seq(p.fwd, batch);
+    const int seqlen_q = seq.seqlen_q, head_dim = p.fwd.head_dim;
+    const T* o = static_cast<const T*>(p.fwd.o) + seq.q_offset(batch, p.fwd.o_batch_stride, p.fwd.o_row_stride) +
+                 head * p.fwd.o_head_stride;
+    const T* dout = static_cast<const T*>(p.dout) + seq.q_offset(batch, p.do_batch_stride, p.do_row_stride) +
+                    head * p.do_head_stride;
+    A* dsum = static_cast<A*>(p.dsum) + seq.row_offset(batch, head, p.dsum_batch_stride, p.dsum_head_stride);
     for (int r = warp; r < kBlockM; r += kNWarps) {
         const int row = m_block * kBlockM + r;
         if (row >= seqlen_q) break;  // warp-uniform
@@ -73,7 +83,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_preprocess(const __gri
 //   sLse [kBlockM] (log2 offsets), sD [kBlockM]
 //   config.smem_bytes: (2 * block_n + 2 * block_m) * (head_dim + 8) * 2
 //                      + (kWM > 1 ? 2 * block_n * (block_m + 8) * 2 : 0) + 2 * block_m * 4
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kVariant>
 __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dkdv(const __grid_constant__ BwdParams p) {
     static_assert(sizeof(T) == 2, "tensor-core kernel: __half or __nv_bfloat16");
     static_assert(kBlockN % 16 == 0 && kNWarps % (kBlockN / 16) == 0, "16 key rows per warp");
@@ -90,6 +100,9 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dkdv(const __grid_cons
     constexpr int kPPitch = kBlockM + 8;
     constexpr unsigned kSmemBytes = (2 * kBlockN + 2 * kBlockM) * kPitch * sizeof(T) +
                                     (kPInSmem ? 2 * kBlockN * kPPitch * sizeof(T) : 0) + 2 * kBlockM * sizeof(float);
+    constexpr bool kIsLocal = (kVariant & kLocal) != 0, kIsDropout = (kVariant & kDropout) != 0;
+    using Mod = ScoreMod<float, kVariant, true>;
+    constexpr int kNTilesCap = (kVariant & kSoftcap) ? kNTilesQ : 1;  // the softcap derivative's tile
 
     unsigned dyn_smem;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
@@ -105,24 +118,26 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dkdv(const __grid_cons
     float* sLse = reinterpret_cast<float*>(sdS + (kPInSmem ? kBlockN * kPPitch : 0));
     float* sD = sLse + kBlockM;
 
-    // [2] dK/dV block coordinates: n_block, kv head, batch; causal skips query blocks above the diagonal
+    // [2] dK/dV block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
     const int n_block = blockIdx.x, head_k = blockIdx.y, batch = blockIdx.z;
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int seqlen_q = p.fwd.seqlen_q, seqlen_k = p.fwd.seqlen_k, head_dim = p.fwd.head_dim;
-    const int group = p.fwd.nheads / p.fwd.nheads_k;
+    const SeqInfo<(kVariant & kVarlen) != 0> seq(p.fwd, batch);
     const int key_begin = n_block * kBlockN;
-    const int m_block_first = m_block_min<kIsCausal, kBlockM, kBlockN>(n_block, seqlen_q, seqlen_k);
-    const int m_block_end = ceil_div(seqlen_q, kBlockM);
+    if (key_begin >= seq.seqlen_k) return;  // varlen: a shorter sequence than the grid's
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, head_dim = p.fwd.head_dim;
+    const int group = p.fwd.nheads / p.fwd.nheads_k;
+    const Mask<kIsLocal> mask(p.fwd, seq.seqlen_q, seq.seqlen_k);
+    int m_block_first, m_block_end;
+    mask.template m_block_range<kBlockM, kBlockN>(n_block, m_block_first, m_block_end);
     const int wn = warp % kWN, wm = warp / kWN;
     const int key_row0 = wn * 16;       // this warp's key rows inside the block
     const int q_col0 = wm * kQCols;     // this warp's query columns of S^T inside the block
     const int d_col0 = wm * kDCols;     // this warp's dK / dV columns
-    const float scale_log2 = static_cast<float>(p.fwd.scale_log2);
 
-    const T* k = static_cast<const T*>(p.fwd.k) + batch * p.fwd.k_batch_stride + head_k * p.fwd.k_head_stride +
-                 key_begin * p.fwd.k_row_stride;
-    const T* v = static_cast<const T*>(p.fwd.v) + batch * p.fwd.v_batch_stride + head_k * p.fwd.v_head_stride +
-                 key_begin * p.fwd.v_row_stride;
+    const T* k = static_cast<const T*>(p.fwd.k) + seq.k_offset(batch, p.fwd.k_batch_stride, p.fwd.k_row_stride) +
+                 head_k * p.fwd.k_head_stride + key_begin * p.fwd.k_row_stride;
+    const T* v = static_cast<const T*>(p.fwd.v) + seq.k_offset(batch, p.fwd.v_batch_stride, p.fwd.v_row_stride) +
+                 head_k * p.fwd.v_head_stride + key_begin * p.fwd.v_row_stride;
     cp_async_tile<kBlockN, kHeadDim, kPitch, kNThreads>(sK, k, p.fwd.k_row_stride, seqlen_k - key_begin, head_dim, tid);
     cp_async_tile<kBlockN, kHeadDim, kPitch, kNThreads>(sV, v, p.fwd.v_row_stride, seqlen_k - key_begin, head_dim, tid);
     cp_async_commit();
@@ -150,12 +165,16 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dkdv(const __grid_cons
 
     for (int hq = 0; hq < group; ++hq) {
         const int head = head_k * group + hq;
-        const T* q_head = static_cast<const T*>(p.fwd.q) + batch * p.fwd.q_batch_stride + head * p.fwd.q_head_stride;
-        const T* do_head = static_cast<const T*>(p.dout) + batch * p.do_batch_stride + head * p.do_head_stride;
-        const float* lse_head = static_cast<const float*>(p.fwd.lse) + batch * p.fwd.lse_batch_stride +
-                                head * p.fwd.lse_head_stride;
+        const T* q_head = static_cast<const T*>(p.fwd.q) +
+                          seq.q_offset(batch, p.fwd.q_batch_stride, p.fwd.q_row_stride) + head * p.fwd.q_head_stride;
+        const T* do_head = static_cast<const T*>(p.dout) + seq.q_offset(batch, p.do_batch_stride, p.do_row_stride) +
+                           head * p.do_head_stride;
+        const float* lse_head = static_cast<const float*>(p.fwd.lse) +
+                                seq.row_offset(batch, head, p.fwd.lse_batch_stride, p.fwd.lse_head_stride);
         const float* dsum_head =
-            static_cast<const float*>(p.dsum) + batch * p.dsum_batch_stride + head * p.dsum_head_stride;
+            static_cast<const float*>(p.dsum) + seq.row_offset(batch, head, p.dsum_batch_stride, p.dsum_head_stride);
+        const Mod mod(p.fwd, batch, head, mask.shift);
+        const float scale_log2 = mod.score_log2(p.fwd);
 
         for (int m_block = m_block_first; m_block < m_block_end; ++m_block) {
             const int row_begin = m_block * kBlockM;
@@ -174,7 +193,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dkdv(const __grid_cons
             cp_async_wait<0>();
             __syncthreads();
 
-            // [4] Recompute S = Q K^T, mask, P = exp2(S * scale_log2 - LSE * log2(e))
+            // [4] Recompute S = Q K^T, score modifiers, mask, P = exp2(S * scale_log2 - LSE * log2(e))
             // Computed as S^T = K Q^T: acc_s[ni][2h + e] is key key_row0 + g + 8h,
             // query q_col0 + 8*ni + 2t + e (C layout).
             float acc_s[kNTilesQ][4];
@@ -194,9 +213,21 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dkdv(const __grid_cons
                     mma_16816<T>(acc_s[2 * np + 1], a, b[2], b[3]);
                 }
             }
-            if (block_needs_mask<kIsCausal, kBlockM, kBlockN>(m_block, n_block, seqlen_q, seqlen_k)) {
-                mask_scores_t<kIsCausal, kNTilesQ>(acc_s, key_begin + key_row0, row_begin + q_col0, lane, seqlen_q,
-                                                   seqlen_k);
+            float dcap[kNTilesCap][4];  // d logit / d(scale * S): the softcap's 1 - tanh^2
+            if constexpr ((kVariant & kSoftcap) != 0) {
+                for_each_score_t<kNTilesQ>(key_begin + key_row0, row_begin + q_col0, lane,
+                                           [&](float& x, float& dc, int row, int col) { x = mod.apply(x, row, col, dc); },
+                                           acc_s, dcap);
+            } else if constexpr (Mod::kTransform) {
+                for_each_score_t<kNTilesQ>(key_begin + key_row0, row_begin + q_col0, lane, [&](float& x, int row, int col) {
+                    float dc;
+                    x = mod.apply(x, row, col, dc);
+                }, acc_s);
+            }
+            if (mask.template needs_mask<kBlockM, kBlockN>(m_block, n_block)) {
+                for_each_score_t<kNTilesQ>(key_begin + key_row0, row_begin + q_col0, lane, [&](float& x, int row, int col) {
+                    if (!mask.visible(row, col)) x = neg_inf<float>();
+                }, acc_s);
             }
 #pragma unroll
             for (int ni = 0; ni < kNTilesQ; ++ni)
@@ -205,8 +236,14 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dkdv(const __grid_cons
                     const float lse_off = sLse[q_col0 + 8 * ni + 2 * t + (e & 1)];
                     acc_s[ni][e] = exp2f(acc_s[ni][e] * scale_log2 - lse_off);
                 }
+            if constexpr (kIsDropout) {
+                // a dropped entry is kept as -P: dV reads max(P, 0) (its 1 / (1 - p) applied at the
+                // store), dS below tells kept from dropped by the sign
+                Dropout(p.fwd, batch, head).for_each_keep_t(acc_s, key_begin + key_row0, row_begin + q_col0, lane,
+                                                            [](float& x, bool kept) { if (!kept) x = -x; });
+            }
             if constexpr (kPInSmem) {
-                acc_to_smem<T, kNTilesQ, kPPitch>(sP, acc_s, key_row0, q_col0, lane, 1.f);
+                acc_to_smem<T, kNTilesQ, kPPitch>(sP, acc_s, key_row0, q_col0, lane, 1.f, kIsDropout);
                 __syncthreads();
             }
 
@@ -218,7 +255,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dkdv(const __grid_cons
                 if constexpr (kPInSmem) {
                     ldmatrix_x4(a, p_a + kq * 16 * sizeof(T));
                 } else {
-                    acc_to_a<T>(a, acc_s[2 * kq], acc_s[2 * kq + 1]);
+                    acc_to_a<T>(a, acc_s[2 * kq], acc_s[2 * kq + 1], kIsDropout);
                 }
 #pragma unroll
                 for (int np = 0; np < kNTilesD / 2; ++np) {
@@ -250,13 +287,23 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dkdv(const __grid_cons
             }
 
             // [7] dS = P * (dP - D)
-            // D belongs to the query (column): query q_col0 + 8*ni + 2t + (e & 1).
+            // D belongs to the query (column): query q_col0 + 8*ni + 2t + (e & 1). Dropout: dL/dP is
+            // dP / (1 - p) where kept and 0 where dropped (there acc_s = -P, so dS = -P * D = acc_s * D).
+            // Softcap: times 1 - tanh^2.
 #pragma unroll
             for (int ni = 0; ni < kNTilesQ; ++ni)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const float d = sD[q_col0 + 8 * ni + 2 * t + (e & 1)];
-                    acc_dp[ni][e] = acc_s[ni][e] * (acc_dp[ni][e] - d);
+                    float ds;
+                    if constexpr (kIsDropout) {
+                        ds = acc_s[ni][e] >= 0.f ? acc_s[ni][e] * (acc_dp[ni][e] * p.fwd.dropout_scale - d)
+                                                 : acc_s[ni][e] * d;
+                    } else {
+                        ds = acc_s[ni][e] * (acc_dp[ni][e] - d);
+                    }
+                    if constexpr ((kVariant & kSoftcap) != 0) ds *= dcap[ni][e];
+                    acc_dp[ni][e] = ds;
                 }
             if constexpr (kPInSmem) {
                 acc_to_smem<T, kNTilesQ, kPPitch>(sdS, acc_dp, key_row0, q_col0, lane, 1.f);
@@ -289,10 +336,12 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dkdv(const __grid_cons
     cp_async_wait<0>();  // K, V copies may still be in flight when no query block was visited
     __syncthreads();
     acc_to_smem<T, kNTilesD, kPitch>(sK, acc_dk, key_row0, d_col0, lane, static_cast<float>(p.fwd.softmax_scale));
-    acc_to_smem<T, kNTilesD, kPitch>(sV, acc_dv, key_row0, d_col0, lane, 1.f);
+    acc_to_smem<T, kNTilesD, kPitch>(sV, acc_dv, key_row0, d_col0, lane, kIsDropout ? p.fwd.dropout_scale : 1.f);
     __syncthreads();
-    T* dk = static_cast<T*>(p.dk) + batch * p.dk_batch_stride + head_k * p.dk_head_stride + key_begin * p.dk_row_stride;
-    T* dv = static_cast<T*>(p.dv) + batch * p.dv_batch_stride + head_k * p.dv_head_stride + key_begin * p.dv_row_stride;
+    T* dk = static_cast<T*>(p.dk) + seq.k_offset(batch, p.dk_batch_stride, p.dk_row_stride) + head_k * p.dk_head_stride +
+            key_begin * p.dk_row_stride;
+    T* dv = static_cast<T*>(p.dv) + seq.k_offset(batch, p.dv_batch_stride, p.dv_row_stride) + head_k * p.dv_head_stride +
+            key_begin * p.dv_row_stride;
     const int tid_st = recompute(tid);  // not the K / V loads' offsets and predicates, kept across the loop
     store_tile<kBlockN, kHeadDim, kPitch, kNThreads>(dk, p.dk_row_stride, sK, seqlen_k - key_begin, head_dim, tid_st);
     store_tile<kBlockN, kHeadDim, kPitch, kNThreads>(dv, p.dv_row_stride, sV, seqlen_k - key_begin, head_dim, tid_st);
@@ -307,7 +356,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dkdv(const __grid_cons
 // Shared memory (16-bit elements, pitch kHeadDim + 8): sQ [kBlockM], sdO [kBlockM], sK [kBlockN], sV [kBlockN]
 //   config.smem_bytes: (2 * block_m + 2 * block_n) * (head_dim + 8) * 2
 // V[n+1] is fetched while dS and dS K[n] are computed; K[n+1] after dS K[n].
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kVariant>
 __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dq(const __grid_constant__ BwdParams p) {
     static_assert(sizeof(T) == 2, "tensor-core kernel: __half or __nv_bfloat16");
     static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0, "16-wide mma k-slices / ldmatrix pairs");
@@ -318,6 +367,8 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dq(const __grid_consta
     constexpr int kNTilesS = kBlockN / 8;
     constexpr int kNTilesD = kHeadDim / 8;
     constexpr unsigned kSmemBytes = (2 * kBlockM + 2 * kBlockN) * kPitch * sizeof(T);
+    constexpr bool kIsLocal = (kVariant & kLocal) != 0;
+    using Mod = ScoreMod<float, kVariant, true>;
 
     unsigned dyn_smem;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
@@ -329,39 +380,49 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dq(const __grid_consta
     T* sK = sdO + kBlockM * kPitch;
     T* sV = sK + kBlockN * kPitch;
 
-    // [10] dQ block coordinates: m_block, head, batch; causal skips key blocks above the diagonal
+    // [10] dQ block coordinates: m_block, head, batch; the mask gives the key blocks to visit
     const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+    const SeqInfo<(kVariant & kVarlen) != 0> seq(p.fwd, batch);
+    const int row_begin = m_block * kBlockM;
+    if (row_begin >= seq.seqlen_q) return;  // varlen: a shorter sequence than the grid's
     const int head_k = head / (p.fwd.nheads / p.fwd.nheads_k);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int g = lane >> 2;
-    const int seqlen_q = p.fwd.seqlen_q, seqlen_k = p.fwd.seqlen_k, head_dim = p.fwd.head_dim;
-    const int n_block_end = n_block_max<kIsCausal, kBlockM, kBlockN>(m_block, seqlen_q, seqlen_k);
-    const int row_begin = m_block * kBlockM;
+    const int g = lane >> 2, t = lane & 3;
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, head_dim = p.fwd.head_dim;
+    const Mask<kIsLocal> mask(p.fwd, seq.seqlen_q, seq.seqlen_k);
+    const Mod mod(p.fwd, batch, head, mask.shift);
+    int n_block_min, n_block_end;
+    mask.template n_block_range<kBlockM, kBlockN>(m_block, n_block_min, n_block_end);
     const int warp_row0 = warp * kMTiles * 16;
-    const float scale_log2 = static_cast<float>(p.fwd.scale_log2);
+    const float scale_log2 = mod.score_log2(p.fwd);
 
-    const T* q = static_cast<const T*>(p.fwd.q) + batch * p.fwd.q_batch_stride + head * p.fwd.q_head_stride +
-                 row_begin * p.fwd.q_row_stride;
-    const T* dout = static_cast<const T*>(p.dout) + batch * p.do_batch_stride + head * p.do_head_stride +
-                    row_begin * p.do_row_stride;
-    const T* k = static_cast<const T*>(p.fwd.k) + batch * p.fwd.k_batch_stride + head_k * p.fwd.k_head_stride;
-    const T* v = static_cast<const T*>(p.fwd.v) + batch * p.fwd.v_batch_stride + head_k * p.fwd.v_head_stride;
+    const T* q = static_cast<const T*>(p.fwd.q) + seq.q_offset(batch, p.fwd.q_batch_stride, p.fwd.q_row_stride) +
+                 head * p.fwd.q_head_stride + row_begin * p.fwd.q_row_stride;
+    const T* dout = static_cast<const T*>(p.dout) + seq.q_offset(batch, p.do_batch_stride, p.do_row_stride) +
+                    head * p.do_head_stride + row_begin * p.do_row_stride;
+    const T* k = static_cast<const T*>(p.fwd.k) + seq.k_offset(batch, p.fwd.k_batch_stride, p.fwd.k_row_stride) +
+                 head_k * p.fwd.k_head_stride;
+    const T* v = static_cast<const T*>(p.fwd.v) + seq.k_offset(batch, p.fwd.v_batch_stride, p.fwd.v_row_stride) +
+                 head_k * p.fwd.v_head_stride;
 
     cp_async_tile<kBlockM, kHeadDim, kPitch, kNThreads>(sQ, q, p.fwd.q_row_stride, seqlen_q - row_begin, head_dim, tid);
     cp_async_tile<kBlockM, kHeadDim, kPitch, kNThreads>(sdO, dout, p.do_row_stride, seqlen_q - row_begin, head_dim, tid);
-    if (n_block_end > 0) {
-        cp_async_tile<kBlockN, kHeadDim, kPitch, kNThreads>(sK, k, p.fwd.k_row_stride, seqlen_k, head_dim, tid);
-        cp_async_tile<kBlockN, kHeadDim, kPitch, kNThreads>(sV, v, p.fwd.v_row_stride, seqlen_k, head_dim, tid);
+    if (n_block_end > n_block_min) {
+        const int key0 = n_block_min * kBlockN;
+        cp_async_tile<kBlockN, kHeadDim, kPitch, kNThreads>(sK, k + key0 * p.fwd.k_row_stride, p.fwd.k_row_stride,
+                                                           seqlen_k - key0, head_dim, tid);
+        cp_async_tile<kBlockN, kHeadDim, kPitch, kNThreads>(sV, v + key0 * p.fwd.v_row_stride, p.fwd.v_row_stride,
+                                                           seqlen_k - key0, head_dim, tid);
     }
     cp_async_commit();
 
     // LSE offsets and D of this thread's rows: index 2*mi + h is row warp_row0 + 16*mi + g + 8h.
     float lse_off[2 * kMTiles], dsum[2 * kMTiles];
     {
-        const float* lse_head = static_cast<const float*>(p.fwd.lse) + batch * p.fwd.lse_batch_stride +
-                                head * p.fwd.lse_head_stride;
+        const float* lse_head = static_cast<const float*>(p.fwd.lse) +
+                                seq.row_offset(batch, head, p.fwd.lse_batch_stride, p.fwd.lse_head_stride);
         const float* dsum_head =
-            static_cast<const float*>(p.dsum) + batch * p.dsum_batch_stride + head * p.dsum_head_stride;
+            static_cast<const float*>(p.dsum) + seq.row_offset(batch, head, p.dsum_batch_stride, p.dsum_head_stride);
 #pragma unroll
         for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
@@ -390,7 +451,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dq(const __grid_consta
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_dq[mi][nd][e] = 0.f;
 
-    for (int n_block = 0; n_block < n_block_end; ++n_block) {
+    for (int n_block = n_block_min; n_block < n_block_end; ++n_block) {
         const int key0 = n_block * kBlockN;
         cp_async_wait<0>();  // K[n_block], V[n_block] (and Q, dO) have landed ...
         __syncthreads();     // ... for every thread
@@ -433,9 +494,15 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dq(const __grid_consta
                                                                p.fwd.v_row_stride, seqlen_k - key_next, head_dim, tid);
             cp_async_commit();
         }
-        if (block_needs_mask<kIsCausal, kBlockM, kBlockN>(m_block, n_block, seqlen_q, seqlen_k)) {
-            mask_scores<kIsCausal, kMTiles, kNTilesS>(acc_s, row_begin + warp_row0, key0, lane, seqlen_q, seqlen_k);
+        // Dropout: dL/dP = dO V^T / (1 - p) where kept, 0 where dropped
+        if constexpr ((kVariant & kDropout) != 0) {
+            const float rp = p.fwd.dropout_scale;
+            Dropout(p.fwd, batch, head).for_each_keep(acc_dp, row_begin + warp_row0, key0, lane,
+                                                      [rp](float& x, bool kept) { x = kept ? x * rp : 0.f; });
         }
+        // Score modifiers and mask on S; dS = P * (dP - D), times the softcap's 1 - tanh^2
+        // acc_s / acc_dp[mi][ni][2h + e]: row slot r = 2 mi + h (lse_off, dsum) as in mma.cuh's for_each_score
+        const bool masked = mask.template needs_mask<kBlockM, kBlockN>(m_block, n_block);
 #pragma unroll
         for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
@@ -443,8 +510,12 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dq(const __grid_consta
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int r = 2 * mi + (e >> 1);
-                    const float pv = exp2f(acc_s[mi][ni][e] * scale_log2 - lse_off[r]);
-                    acc_dp[mi][ni][e] = pv * (acc_dp[mi][ni][e] - dsum[r]);  // now dS
+                    const int row = row_begin + warp_row0 + 16 * mi + g + 8 * (e >> 1), col = key0 + 8 * ni + 2 * t + (e & 1);
+                    float dcap;
+                    float sv = mod.apply(acc_s[mi][ni][e], row, col, dcap);
+                    if (masked && !mask.visible(row, col)) sv = neg_inf<float>();
+                    const float pv = exp2f(sv * scale_log2 - lse_off[r]);
+                    acc_dp[mi][ni][e] = pv * (acc_dp[mi][ni][e] - dsum[r]) * dcap;  // now dS
                 }
 
         // [12] dQ += dS K
@@ -482,7 +553,8 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dq(const __grid_consta
     for (int mi = 0; mi < kMTiles; ++mi)
         acc_to_smem<T, kNTilesD, kPitch>(sQ, acc_dq[mi], warp_row0 + 16 * mi, 0, lane, softmax_scale);
     __syncthreads();
-    T* dq = static_cast<T*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride + row_begin * p.dq_row_stride;
+    T* dq = static_cast<T*>(p.dq) + seq.q_offset(batch, p.dq_batch_stride, p.dq_row_stride) + head * p.dq_head_stride +
+            row_begin * p.dq_row_stride;
     store_tile<kBlockM, kHeadDim, kPitch, kNThreads>(dq, p.dq_row_stride, sQ, seqlen_q - row_begin, head_dim, tid);
 }
 

@@ -11,16 +11,22 @@
 // K and V stream through one buffer each: V[n] is fetched while S = Q K[n]^T is computed, K[n-1]
 // while the softmax and P V[n] run. Key blocks are visited from the last to the first, so the blocks
 // that need masking (sequence tail, causal diagonal) come first.
+//
+// Variants (kVariant, mask.cuh): the key blocks a query block visits come from Mask::n_block_range;
+// scores pass through ScoreMod (softcap, ALiBi) and the mask, P through dropout before P V. Varlen
+// batches take their rows and lengths from SeqInfo.
 #include "params.cuh"
 #include "common.cuh"
+#include "seqinfo.cuh"
 #include "mask.cuh"
+#include "dropout.cuh"
 #include "mma.cuh"
 #include "copy.cuh"
 #include "softmax.cuh"
 
 namespace cuflash {
 
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kVariant>
 __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const __grid_constant__ FwdParams p) {
     static_assert(sizeof(T) == 2, "tensor-core kernel: __half or __nv_bfloat16");
     static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0, "16-wide mma k-slices / ldmatrix pairs");
@@ -35,6 +41,8 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const __grid_constant_
     // Q's A fragments stay in registers when small; otherwise they are re-read from sQ per key block.
     constexpr bool kQInRegs = kMTiles * kHeadDim <= 128;
     constexpr unsigned kSmemBytes = (kBlockM + 2 * kBlockN) * kPitch * sizeof(T);
+    constexpr bool kIsLocal = (kVariant & kLocal) != 0;
+    using Mod = ScoreMod<float, kVariant, true>;
 
     unsigned dyn_smem;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
@@ -45,24 +53,31 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const __grid_constant_
     T* sK = sQ + kBlockM * kPitch;
     T* sV = sK + kBlockN * kPitch;
 
-    // [1] Block coordinates: m_block, head, batch; causal skips key blocks above the diagonal
+    // [1] Block coordinates: m_block, head, batch; the mask gives the key blocks to visit
     const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+    const SeqInfo<(kVariant & kVarlen) != 0> seq(p, batch);
+    const int row_begin = m_block * kBlockM;
+    if (row_begin >= seq.seqlen_q) return;  // varlen: a shorter sequence than the grid's
     const int head_k = head / (p.nheads / p.nheads_k);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane >> 2, t = lane & 3;
-    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, head_dim = p.head_dim;
-    const int n_block_end = n_block_max<kIsCausal, kBlockM, kBlockN>(m_block, seqlen_q, seqlen_k);
-    const int row_begin = m_block * kBlockM;
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, head_dim = p.head_dim;
+    const Mask<kIsLocal> mask(p, seq.seqlen_q, seq.seqlen_k);
+    const Mod mod(p, batch, head, mask.shift);
+    int n_block_min, n_block_end;
+    mask.template n_block_range<kBlockM, kBlockN>(m_block, n_block_min, n_block_end);
     const int warp_row0 = warp * kMTiles * 16;  // first row of this warp inside the block
 
-    const T* q = static_cast<const T*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride +
-                 row_begin * p.q_row_stride;
-    const T* k = static_cast<const T*>(p.k) + batch * p.k_batch_stride + head_k * p.k_head_stride;
-    const T* v = static_cast<const T*>(p.v) + batch * p.v_batch_stride + head_k * p.v_head_stride;
+    const T* q = static_cast<const T*>(p.q) + seq.q_offset(batch, p.q_batch_stride, p.q_row_stride) +
+                 head * p.q_head_stride + row_begin * p.q_row_stride;
+    const T* k = static_cast<const T*>(p.k) + seq.k_offset(batch, p.k_batch_stride, p.k_row_stride) +
+                 head_k * p.k_head_stride;
+    const T* v = static_cast<const T*>(p.v) + seq.k_offset(batch, p.v_batch_stride, p.v_row_stride) +
+                 head_k * p.v_head_stride;
 
     // [2] Load the Q tile
     cp_async_tile<kBlockM, kHeadDim, kPitch, kNThreads>(sQ, q, p.q_row_stride, seqlen_q - row_begin, head_dim, tid);
-    if (n_block_end > 0) {
+    if (n_block_end > n_block_min) {
         const int key0 = (n_block_end - 1) * kBlockN;
         cp_async_tile<kBlockN, kHeadDim, kPitch, kNThreads>(sK, k + key0 * p.k_row_stride, p.k_row_stride,
                                                            seqlen_k - key0, head_dim, tid);
@@ -97,9 +112,9 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const __grid_constant_
             for (int e = 0; e < 4; ++e) acc_o[mi][no][e] = 0.f;
     OnlineSoftmax<kMTiles> softmax;
     softmax.init();
-    const float scale_log2 = static_cast<float>(p.scale_log2);
+    const float scale_log2 = mod.score_log2(p);
 
-    for (int n_block = n_block_end - 1; n_block >= 0; --n_block) {
+    for (int n_block = n_block_end - 1; n_block >= n_block_min; --n_block) {
         const int key0 = n_block * kBlockN;
         cp_async_wait<0>();  // K[n_block] (and Q) have landed for this thread ...
         __syncthreads();     // ... and for all; every warp is also done reading sV of the previous block
@@ -142,15 +157,23 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const __grid_constant_
             }
         }
 
-        // [4] Mask the sequence tail and the causal diagonal
+        // [4] Score modifiers (softcap, ALiBi); mask the sequence tail, the causal diagonal and the window
         // acc_s[mi][ni][2h + e]: query row row_begin + warp_row0 + 16*mi + g + 8h, key key0 + 8*ni + 2t + e
-        if (block_needs_mask<kIsCausal, kBlockM, kBlockN>(m_block, n_block, seqlen_q, seqlen_k)) {
-            mask_scores<kIsCausal, kMTiles, kNTilesS>(acc_s, row_begin + warp_row0, key0, lane, seqlen_q, seqlen_k);
+        if constexpr (Mod::kTransform) {
+            for_each_score<kMTiles, kNTilesS>(row_begin + warp_row0, key0, lane, [&](float& x, int row, int col) {
+                float dcap;
+                x = mod.apply(x, row, col, dcap);
+            }, acc_s);
+        }
+        if (mask.template needs_mask<kBlockM, kBlockN>(m_block, n_block)) {
+            for_each_score<kMTiles, kNTilesS>(row_begin + warp_row0, key0, lane, [&](float& x, int row, int col) {
+                if (!mask.visible(row, col)) x = neg_inf<float>();
+            }, acc_s);
         }
 
         cp_async_wait<0>();  // V[n_block] has landed ...
         __syncthreads();     // ... for all, and every warp is done reading sK
-        if (n_block > 0) {
+        if (n_block > n_block_min) {
             const int key_prev = key0 - kBlockN;
             cp_async_tile<kBlockN, kHeadDim, kPitch, kNThreads>(sK, k + key_prev * p.k_row_stride, p.k_row_stride,
                                                                seqlen_k - key_prev, head_dim, tid);
@@ -160,7 +183,14 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const __grid_constant_
         // [5] Online softmax: update row_max, rescale acc_o and row_sum, P = exp2(S * scale_log2 - row_max * scale_log2)
         softmax.update(acc_s, acc_o, scale_log2);
 
-        // [6] O += P V
+        // [6] O += dropout(P) V
+        // Dropped entries are 0 in P V only: row_sum, and so the LSE, keep them. O is scaled by
+        // 1 / (1 - dropout_p) at the store.
+        if constexpr ((kVariant & kDropout) != 0) {
+            Dropout(p, batch, head).for_each_keep(acc_s, row_begin + warp_row0, key0, lane, [](float& x, bool kept) {
+                if (!kept) x = 0.f;
+            });
+        }
 #pragma unroll
         for (int ks = 0; ks < kKSlicesPV; ++ks) {
             // P as A fragment in registers: keys 16*ks .. +15 are n-tiles 2ks, 2ks+1 of acc_s.
@@ -184,21 +214,23 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const __grid_constant_
 
     // [7] Finalize: O /= row_sum, LSE = row_max * softmax_scale + log(row_sum); rows that saw no key give O = 0, LSE = -inf
     float lse[2 * kMTiles];
-    softmax.finalize(acc_o, static_cast<float>(p.softmax_scale), lse);
+    softmax.finalize(acc_o, mod.lse_scale(), lse);
 
     // [8] Store O and LSE
     cp_async_wait<0>();  // nothing may still be landing in sQ (the loop may not have run)
     __syncthreads();     // every warp is done with sQ / sK / sV
 #pragma unroll
     for (int mi = 0; mi < kMTiles; ++mi)
-        acc_to_smem<T, kNTilesO, kPitch>(sQ, acc_o[mi], warp_row0 + 16 * mi, 0, lane, 1.f);
+        acc_to_smem<T, kNTilesO, kPitch>(sQ, acc_o[mi], warp_row0 + 16 * mi, 0, lane,
+                                         (kVariant & kDropout) ? p.dropout_scale : 1.f);
     __syncthreads();
-    T* o = static_cast<T*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride + row_begin * p.o_row_stride;
+    T* o = static_cast<T*>(p.o) + seq.q_offset(batch, p.o_batch_stride, p.o_row_stride) + head * p.o_head_stride +
+           row_begin * p.o_row_stride;
     store_tile<kBlockM, kHeadDim, kPitch, kNThreads>(o, p.o_row_stride, sQ, seqlen_q - row_begin, head_dim, tid);
 
     // lse[2mi + h] is row warp_row0 + 16*mi + g + 8h; the 4 lanes of a quad hold the same value.
     if (t == 0) {
-        float* lse_ptr = static_cast<float*>(p.lse) + batch * p.lse_batch_stride + head * p.lse_head_stride;
+        float* lse_ptr = static_cast<float*>(p.lse) + seq.row_offset(batch, head, p.lse_batch_stride, p.lse_head_stride);
 #pragma unroll
         for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll

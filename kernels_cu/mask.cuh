@@ -1,91 +1,126 @@
-// Which (query row, key column) pairs take part. One rule, used by every kernel and mirrored in
-// cuflash/proto/mask.py: a key column is visible when it is inside seqlen_k and, if causal, when
-// col <= row + seqlen_k - seqlen_q (the diagonal aligned bottom-right, as in FlashAttention 2.1+).
+// Which (query row, key column) pairs take part, and what becomes of a score: the variants' seam.
+// Mirrored by cuflash/_mask.py (the NumPy backend and the reference) and cuflash/proto/mask.py.
+//
+// A kernel instantiation applies the variants in its template argument kVariant (bits below); their
+// values come from FwdParams at run time. Query row i sits at key position i' = i + seqlen_k -
+// seqlen_q (the diagonal aligned bottom-right, as in FlashAttention 2.1+):
+// - kLocal: row i sees keys i' - left .. i' + right (-1: unbounded); causal is right = 0. Key blocks
+//   that no row of a query block sees are skipped (Mask::n_block_range), not masked.
+// - kSoftcap: the logit s = softmax_scale * q.k becomes softcap * tanh(s / softcap).
+// - kAlibi: -slope * |i' - j| is added to the logit (after the softcap).
+// - kDropout: dropout.cuh.
+// - kVarlen: each batch entry's rows and lengths come from cu_seqlens (seqinfo.cuh).
+// Without kSoftcap / kAlibi the kernels keep scores in q.k units and fold softmax_scale into exp2's
+// scale; with either, ScoreMod turns them into logits and exp2's scale is log2(e).
 #pragma once
 #include "common.cuh"
+#include "params.cuh"
 
 namespace cuflash {
 
-// Largest visible key column + 1 for a query row (may be <= 0: the row sees no key).
-template <bool kIsCausal>
-__device__ __forceinline__ int col_limit(int row, int seqlen_q, int seqlen_k) {
-    // [1] col_limit: seqlen_k, or if causal min(seqlen_k, row + 1 + seqlen_k - seqlen_q)
-    if (kIsCausal) return min(seqlen_k, row + 1 + seqlen_k - seqlen_q);
-    return seqlen_k;
-}
+// kVariant bits (cuflash/config.py: LOCAL, SOFTCAP, ALIBI, DROPOUT, VARLEN).
+constexpr int kLocal = 1;
+constexpr int kSoftcap = 2;
+constexpr int kAlibi = 4;
+constexpr int kDropout = 8;
+constexpr int kVarlen = 16;
 
-// Number of key blocks a query block [m_block * kBlockM, +kBlockM) must visit; causal skips the
-// blocks wholly above the diagonal. Can be <= 0 when every row of the block sees no key.
-template <bool kIsCausal, int kBlockM, int kBlockN>
-__device__ __forceinline__ int n_block_max(int m_block, int seqlen_q, int seqlen_k) {
-    // [2] Key blocks to visit: ceil_div(max(col_limit of the block's last row, 0), block_n)
-    int limit = col_limit<kIsCausal>(min((m_block + 1) * kBlockM, seqlen_q) - 1, seqlen_q, seqlen_k);
-    return ceil_div(max(limit, 0), kBlockN);
-}
+// A window bound of -1 (unbounded) as a number: far enough that no row + shift + bound overflows.
+constexpr int kUnbounded = 1 << 30;
 
-// First query block that sees any column of key block n_block (backward dK/dV: earlier query
-// blocks lie wholly above the diagonal and are skipped).
-template <bool kIsCausal, int kBlockM, int kBlockN>
-__device__ __forceinline__ int m_block_min(int n_block, int seqlen_q, int seqlen_k) {
-    // [3] First query block to visit: 0, or if causal max(n_block * block_n - (seqlen_k - seqlen_q), 0) / block_m
-    if (!kIsCausal) return 0;
-    int first_row = max(n_block * kBlockN - (seqlen_k - seqlen_q), 0);
-    return first_row / kBlockM;
-}
+template <bool kIsLocal>
+struct Mask {
+    int seqlen_q, seqlen_k;
+    int shift;        // seqlen_k - seqlen_q: row i sits at key position i + shift
+    int left, right;  // the window in keys (kUnbounded for -1); unused unless kIsLocal
 
-// Does key block n_block need per-element masking for query block m_block? (tail or diagonal)
-template <bool kIsCausal, int kBlockM, int kBlockN>
-__device__ __forceinline__ bool block_needs_mask(int m_block, int n_block, int seqlen_q, int seqlen_k) {
-    // [4] Mask a tile that crosses seqlen_k or, if causal, whose last column its first row cannot see
-    if ((n_block + 1) * kBlockN > seqlen_k) return true;
-    if (!kIsCausal) return false;
-    // The block's last column must be visible from its first row.
-    return (n_block + 1) * kBlockN - 1 > m_block * kBlockM + seqlen_k - seqlen_q;
-}
+    // seqlen_q, seqlen_k: the batch entry's (SeqInfo)
+    __device__ __forceinline__ Mask(const FwdParams& p, int seqlen_q_, int seqlen_k_)
+        : seqlen_q(seqlen_q_), seqlen_k(seqlen_k_), shift(seqlen_k_ - seqlen_q_),
+          left(p.window_left < 0 ? kUnbounded : p.window_left),
+          right(p.window_right < 0 ? kUnbounded : p.window_right) {}
 
-// Per-element masks on one warp's mma.sync score accumulators (C layout: c0,c1 = row g, cols 2t,2t+1;
-// c2,c3 = row g+8; g = lane >> 2, t = lane & 3). Hidden scores become -inf.
-//
-// S = Q K^T: kMTiles x kNTiles tiles of 16 query rows x 8 key columns; row0 is the global query row of
-// the warp's first row, col0 the global key column of n-tile 0.
-template <bool kIsCausal, int kMTiles, int kNTiles>
-__device__ __forceinline__ void mask_scores(float (&acc_s)[kMTiles][kNTiles][4], int row0, int col0, int lane,
-                                            int seqlen_q, int seqlen_k) {
-    // [5] Scores at or past their row's col_limit become -inf
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int limit = col_limit<kIsCausal>(row0 + 16 * mi + g + 8 * h, seqlen_q, seqlen_k);
-#pragma unroll
-            for (int ni = 0; ni < kNTiles; ++ni) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    if (col0 + 8 * ni + 2 * t + e >= limit) acc_s[mi][ni][2 * h + e] = neg_inf<float>();
-                }
-            }
-        }
+    // [1] Keys a row sees: [col_lo(row), col_hi(row)), inside the sequence and the window
+    __device__ __forceinline__ int col_lo(int row) const { return kIsLocal ? max(0, row + shift - left) : 0; }
+    __device__ __forceinline__ int col_hi(int row) const {
+        return kIsLocal ? min(seqlen_k, row + shift + right + 1) : seqlen_k;
     }
+    __device__ __forceinline__ bool visible(int row, int col) const { return col >= col_lo(row) && col < col_hi(row); }
+
+    // [2] Key blocks a query block visits: [lo, hi), those some row of the block sees (lo >= hi: none)
+    template <int kBlockM, int kBlockN>
+    __device__ __forceinline__ void n_block_range(int m_block, int& lo, int& hi) const {
+        const int row0 = m_block * kBlockM, row1 = min(row0 + kBlockM, seqlen_q);
+        const int c0 = col_lo(row0), c1 = col_hi(row1 - 1);
+        lo = c0 / kBlockN;
+        hi = c1 > c0 ? ceil_div(c1, kBlockN) : lo;
+    }
+
+    // [3] Query blocks that see a key block: [lo, hi) (the dK/dV kernel's loop)
+    template <int kBlockM, int kBlockN>
+    __device__ __forceinline__ void m_block_range(int n_block, int& lo, int& hi) const {
+        const int col0 = n_block * kBlockN, col1 = min(col0 + kBlockN, seqlen_k);
+        const int r0 = kIsLocal ? max(0, col0 - right - shift) : 0;
+        const int r1 = kIsLocal ? min(seqlen_q, col1 - 1 + left - shift + 1) : seqlen_q;
+        lo = r0 / kBlockM;
+        hi = r1 > r0 ? ceil_div(r1, kBlockM) : lo;
+    }
+
+    // [4] Does a tile hold a score some row must not see? (it crosses seqlen_k, or a window edge)
+    template <int kBlockM, int kBlockN>
+    __device__ __forceinline__ bool needs_mask(int m_block, int n_block) const {
+        const int col0 = n_block * kBlockN, col1 = col0 + kBlockN;
+        if (col1 > seqlen_k) return true;
+        if (!kIsLocal) return false;
+        const int row0 = m_block * kBlockM, row1 = min(row0 + kBlockM, seqlen_q);
+        return col1 - 1 > row0 + shift + right || col0 < row1 - 1 + shift - left;
+    }
+};
+
+// Natural exp of 2x and tanh from it: 1 - 2 / (e^2x + 1), one ex2 and one fast reciprocal, exact to
+// about 1e-7 absolute (what a logit needs; tanhf is several times longer). Saturates to +-1, no NaN.
+__device__ __forceinline__ float tanh_fast(float x) {
+    return 1.f - __fdividef(2.f, exp2f(x * 2.8853900817779268f) + 1.f);
 }
 
-// S^T = K Q^T (the dK/dV kernel): kNTiles tiles of 16 key rows x 8 query columns; key0 is the global key
-// row of the warp's first row, query0 the global query column of n-tile 0.
-template <bool kIsCausal, int kNTiles>
-__device__ __forceinline__ void mask_scores_t(float (&acc_s)[kNTiles][4], int key0, int query0, int lane,
-                                              int seqlen_q, int seqlen_k) {
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int ni = 0; ni < kNTiles; ++ni) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int limit = col_limit<kIsCausal>(query0 + 8 * ni + 2 * t + e, seqlen_q, seqlen_k);
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                if (key0 + g + 8 * h >= limit) acc_s[ni][2 * h + e] = neg_inf<float>();
-            }
-        }
+// The score transform of kSoftcap / kAlibi for one (batch, head). kFast: tanh_fast (tensor-core
+// kernels, 16-bit outputs) rather than the library's tanh (SIMT kernels, fp32 / fp64 outputs).
+template <typename A, int kVariant, bool kFast>
+struct ScoreMod {
+    static constexpr bool kTransform = (kVariant & (kSoftcap | kAlibi)) != 0;
+    A scale;        // softmax_scale
+    A softcap, inv_softcap;
+    A slope;        // ALiBi slope of this (batch, head)
+    int shift;
+
+    __device__ __forceinline__ ScoreMod(const FwdParams& p, int batch, int head, int shift_)
+        : scale(static_cast<A>(p.softmax_scale)), softcap(static_cast<A>(p.softcap)),
+          inv_softcap((kVariant & kSoftcap) ? A(1) / static_cast<A>(p.softcap) : A(0)),
+          slope((kVariant & kAlibi) ? static_cast<A>(p.alibi_slopes[batch * p.alibi_batch_stride + head]) : A(0)),
+          shift(shift_) {}
+
+    // exp2's scale for the scores the kernel holds, and the LSE's factor on the row max.
+    __device__ __forceinline__ A score_log2(const FwdParams& p) const {
+        return kTransform ? A(1.4426950408889634) : static_cast<A>(p.scale_log2);
     }
-}
+    __device__ __forceinline__ A lse_scale() const { return kTransform ? A(1) : scale; }
+
+    // [5] Score modifiers: q.k -> softcap * tanh(scale * q.k / softcap) - slope * |i' - j|.
+    // dcap receives d logit / d(scale * q.k) = 1 - tanh^2 (1 without a softcap).
+    __device__ __forceinline__ A apply(A s, int row, int col, A& dcap) const {
+        dcap = A(1);
+        if constexpr (!kTransform) return s;
+        A x = s * scale;
+        if constexpr ((kVariant & kSoftcap) != 0) {
+            A t;
+            if constexpr (kFast) t = tanh_fast(x * inv_softcap);
+            else t = tanh(x * inv_softcap);
+            x = softcap * t;
+            dcap = A(1) - t * t;
+        }
+        if constexpr ((kVariant & kAlibi) != 0) x -= slope * static_cast<A>(abs(row + shift - col));
+        return x;
+    }
+};
 
 }  // namespace cuflash

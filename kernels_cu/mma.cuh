@@ -89,11 +89,43 @@ __device__ __forceinline__ int ldsm_bt_offset(int lane, int stride) {
 // acc0 = columns 0-7 of the slice, acc1 = columns 8-15. acc c0,c1 = (row g, cols 2t,2t+1) and
 // c2,c3 = (row g+8, cols 2t,2t+1); so a0 = acc0 c0c1, a1 = acc0 c2c3, a2 = acc1 c0c1, a3 = acc1 c2c3.
 template <typename T>
-__device__ __forceinline__ void acc_to_a(unsigned (&a)[4], const float (&acc0)[4], const float (&acc1)[4]) {
-    a[0] = pack2<T>(acc0[0], acc0[1]);
-    a[1] = pack2<T>(acc0[2], acc0[3]);
-    a[2] = pack2<T>(acc1[0], acc1[1]);
-    a[3] = pack2<T>(acc1[2], acc1[3]);
+__device__ __forceinline__ void acc_to_a(unsigned (&a)[4], const float (&acc0)[4], const float (&acc1)[4],
+                                         bool relu = false) {
+    // relu: negative entries as 0 (the dK/dV kernel keeps dropped P entries as -P)
+    auto x = [relu](float v) { return relu ? fmaxf(v, 0.f) : v; };
+    a[0] = pack2<T>(x(acc0[0]), x(acc0[1]));
+    a[1] = pack2<T>(x(acc0[2]), x(acc0[3]));
+    a[2] = pack2<T>(x(acc1[0]), x(acc1[1]));
+    a[3] = pack2<T>(x(acc1[2]), x(acc1[3]));
+}
+
+// ---- Walks over a warp's score tile, for the element-wise variants (mask.cuh, dropout.cuh) ----
+// f(x..., row, col) for each score a thread holds, with x the element of each array in `tiles`
+// (score tiles of one shape: S, and what goes with it, such as the softcap derivative).
+//
+// S = Q K^T (forward, dQ): kMTiles x kNTiles accumulators of 16 x 8 in the C layout; tile[mi][ni][2h + e]
+// is query row row0 + 16 mi + g + 8 h, key col0 + 8 ni + 2 t + e.
+template <int kMTiles, int kNTiles, typename F, typename... Tiles>
+__device__ __forceinline__ void for_each_score(int row0, int col0, int lane, F&& f, Tiles&... tiles) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < kNTiles; ++ni)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                f(tiles[mi][ni][i]..., row0 + 16 * mi + g + 8 * (i >> 1), col0 + 8 * ni + 2 * t + (i & 1));
+}
+
+// S^T = K Q^T (dK/dV): kNTiles accumulators of 16 keys x 8 queries; tile[ni][2h + e] is key key0 + g + 8 h,
+// query query0 + 8 ni + 2 t + e. f gets (x..., query, key): the same (row, col) order as for_each_score.
+template <int kNTiles, typename F, typename... Tiles>
+__device__ __forceinline__ void for_each_score_t(int key0, int query0, int lane, F&& f, Tiles&... tiles) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int ni = 0; ni < kNTiles; ++ni)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) f(tiles[ni][i]..., query0 + 8 * ni + 2 * t + (i & 1), key0 + g + 8 * (i >> 1));
 }
 
 }  // namespace cuflash

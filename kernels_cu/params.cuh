@@ -28,15 +28,23 @@ struct FwdParams {
     int batch;
     int nheads;
     int nheads_k;          // nheads % nheads_k == 0; query head h reads kv head h / (nheads / nheads_k)
-    int seqlen_q;
+    int seqlen_q;          // varlen: the longest sequence (the grid's extent); each block reads its own
     int seqlen_k;
     int head_dim;          // actual head dim; the kernel is compiled for kHeadDim >= head_dim
 
-    // Variant fields, reserved for sliding window / softcap; -1 / 0 mean off.
-    int window_left;
-    int window_right;
-    float softcap;
-    int pad0;
+    // Attention variants (seqinfo.cuh, mask.cuh, dropout.cuh). Which of them a kernel applies is its
+    // template argument kVariant; these are their run-time values.
+    const int* cu_seqlens_q;       // varlen: (batch + 1) first rows of the packed sequences; null when dense
+    const int* cu_seqlens_k;
+    const float* alibi_slopes;     // [batch, head] with alibi_batch_stride (0 for one row of nheads)
+    long long alibi_batch_stride;
+    unsigned long long seed;       // dropout: the Philox key
+    int window_left;               // row i sees keys i' - left .. i' + right (i' = i + seqlen_k - seqlen_q);
+    int window_right;              // -1: unbounded. causal is right = 0
+    float softcap;                 // > 0: scores become softcap * tanh(score / softcap)
+    float dropout_scale;           // 1 / (1 - dropout_p)
+    unsigned int dropout_threshold;   // a score is kept iff its 16-bit Philox draw is >= this: floor(p * 65536)
+    unsigned int offset;              // dropout: the fourth Philox counter word
 };
 
 struct BwdParams {

@@ -9,9 +9,12 @@ from cuflash import _compile, config
 
 
 def test_template_name():
-    c = config.choose_forward("bfloat16", 128, True)
+    c = config.choose_forward("bfloat16", 128, config.LOCAL)
     assert c.template_name.startswith("cuflash::flash_fwd<__nv_bfloat16, 128, ")
-    assert c.template_name.endswith(", true>")
+    assert c.template_name.endswith(", 1>")
+    both = config.variant_bits(local=True, dropout=True, varlen=True)
+    assert config.choose_forward("bfloat16", 128, both).template_name.endswith(", 25>")
+    assert config.choose_forward("bfloat16", 128, both).label == "flash_fwd bfloat16 d=128 local dropout varlen"
     assert config.choose_forward("float32", 64, False).template_name.startswith("cuflash::flash_fwd_simt<float, 64, ")
 
 
@@ -38,29 +41,33 @@ def test_frozen_and_hashable():
 
 
 def test_backward_configs():
-    pre, dkdv, dq = config.choose_backward("float64", 96, True)
+    pre, dkdv, dq = config.choose_backward("float64", 96, config.LOCAL)
     assert (pre.kernel, dkdv.kernel, dq.kernel) == ("flash_bwd_preprocess", "flash_bwd_dkdv_simt", "flash_bwd_dq_simt")
-    pre, dkdv, dq = config.choose_backward("bfloat16", 96, True)
+    pre, dkdv, dq = config.choose_backward("bfloat16", 96, config.LOCAL | config.SOFTCAP | config.VARLEN)
     assert (dkdv.kernel, dq.kernel) == ("flash_bwd_dkdv", "flash_bwd_dq")
-    assert dkdv.causal and dq.causal and not pre.causal
+    assert dkdv.variant == dq.variant == config.LOCAL | config.SOFTCAP | config.VARLEN
+    assert pre.variant == config.VARLEN  # the preprocess takes the varlen bit alone
 
 
 def test_preprocess_is_one_kernel_per_dtype():
-    """D = rowsum(dO * O) takes no head dim, key tile or mask: every backward call of a dtype shares it."""
+    """D = rowsum(dO * O) takes no head dim, key tile or mask: every dense backward call of a dtype shares
+    it, and every varlen one another."""
     for dt in config.DTYPES:
-        pres = {config.choose_backward(dt, d, causal)[0] for d in range(8, 257, 8) for causal in (False, True)}
-        assert len(pres) == 1, pres
-        assert [c for c in config.all_configs() if c.kernel == "flash_bwd_preprocess" and c.dtype == dt] == list(pres)
-    pre = config.choose_backward("float16", 128, True)[0]
-    assert pre.template_name == "cuflash::flash_bwd_preprocess<__half, 64, 4>"
-    assert (pre.head_dim, pre.block_n, pre.causal, pre.smem_bytes) == (0, 0, False, 0)
+        for varlen in (0, config.VARLEN):
+            pres = {config.choose_backward(dt, d, v | varlen)[0] for d in range(8, 257, 8)
+                    for v in range(config.VARLEN)}
+            assert len(pres) == 1, pres
+        assert len([c for c in config.all_configs() if c.kernel == "flash_bwd_preprocess" and c.dtype == dt]) == 2
+    pre = config.choose_backward("float16", 128, config.LOCAL)[0]
+    assert pre.template_name == "cuflash::flash_bwd_preprocess<__half, 64, 4, 0>"
+    assert (pre.head_dim, pre.block_n, pre.variant, pre.smem_bytes) == (0, 0, 0, 0)
 
 
 def test_template_names_match_the_kernels_template_parameters():
     """Each __global__ kernel's template parameter list, read from kernels_cu/, is TEMPLATE_PARAMS[kernel]
     (T -> dtype, kHeadDim -> head_dim, ...), and template_name gives one argument per parameter."""
     fields = {"T": "dtype", "kHeadDim": "head_dim", "kBlockM": "block_m", "kBlockN": "block_n",
-              "kNWarps": "warps", "kIsCausal": "causal"}
+              "kNWarps": "warps", "kVariant": "variant"}
     kernel_re = re.compile(r"template <([^>]*)>\s*__global__ void __launch_bounds__\([^)]*\)\s*(\w+)\(")
     found = {}
     for source in set(config.SOURCES.values()):

@@ -17,39 +17,49 @@ KERNELS = ROOT / "kernels_cu"
 PROTO = ROOT / "cuflash" / "proto"
 
 FWD_STEPS = [
-    (1, "Block coordinates: m_block, head, batch; causal skips key blocks above the diagonal"),
+    (1, "Block coordinates: m_block, head, batch; the mask gives the key blocks to visit"),
     (2, "Load the Q tile"),
     (3, "S = Q K^T"),
-    (4, "Mask the sequence tail and the causal diagonal"),
+    (4, "Score modifiers (softcap, ALiBi); mask the sequence tail, the causal diagonal and the window"),
     (5, "Online softmax: update row_max, rescale acc_o and row_sum, P = exp2(S * scale_log2 - row_max * scale_log2)"),
-    (6, "O += P V"),
+    (6, "O += dropout(P) V"),
     (7, "Finalize: O /= row_sum, LSE = row_max * softmax_scale + log(row_sum); rows that saw no key give O = 0, "
         "LSE = -inf"),
     (8, "Store O and LSE"),
 ]
 BWD_STEPS = [
     (1, "Preprocess: D = rowsum(dO * O)"),
-    (2, "dK/dV block coordinates: n_block, kv head, batch; causal skips query blocks above the diagonal"),
+    (2, "dK/dV block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit"),
     (3, "Load the Q, dO tiles and LSE, D rows of one query block"),
-    (4, "Recompute S = Q K^T, mask, P = exp2(S * scale_log2 - LSE * log2(e))"),
+    (4, "Recompute S = Q K^T, score modifiers, mask, P = exp2(S * scale_log2 - LSE * log2(e))"),
     (5, "dV += P^T dO"),
     (6, "dP = dO V^T"),
     (7, "dS = P * (dP - D)"),
     (8, "dK += dS^T Q"),
     (9, "Store dK * softmax_scale and dV"),
-    (10, "dQ block coordinates: m_block, head, batch; causal skips key blocks above the diagonal"),
+    (10, "dQ block coordinates: m_block, head, batch; the mask gives the key blocks to visit"),
     (11, "Recompute S, P and dS = P * (dO V^T - D) for one key block"),
     (12, "dQ += dS K"),
     (13, "Store dQ * softmax_scale"),
 ]
-# kernels_cu/mask.cuh and cuflash/proto/mask.py: one step per block rule, in the functions of the same name
-# (mask_scores_t, the S^T variant of [5], has no prototype and no step).
+# kernels_cu/mask.cuh and cuflash/proto/mask.py: one step per rule of Mask and ScoreMod, in functions of
+# the same names (the mma.sync layout walks of mma.cuh have no prototype and no step).
 MASK_STEPS = [
-    (1, "col_limit: seqlen_k, or if causal min(seqlen_k, row + 1 + seqlen_k - seqlen_q)"),
-    (2, "Key blocks to visit: ceil_div(max(col_limit of the block's last row, 0), block_n)"),
-    (3, "First query block to visit: 0, or if causal max(n_block * block_n - (seqlen_k - seqlen_q), 0) / block_m"),
-    (4, "Mask a tile that crosses seqlen_k or, if causal, whose last column its first row cannot see"),
-    (5, "Scores at or past their row's col_limit become -inf"),
+    (1, "Keys a row sees: [col_lo(row), col_hi(row)), inside the sequence and the window"),
+    (2, "Key blocks a query block visits: [lo, hi), those some row of the block sees (lo >= hi: none)"),
+    (3, "Query blocks that see a key block: [lo, hi) (the dK/dV kernel's loop)"),
+    (4, "Does a tile hold a score some row must not see? (it crosses seqlen_k, or a window edge)"),
+    (5, "Score modifiers: q.k -> softcap * tanh(scale * q.k / softcap) - slope * |i' - j|."),
+]
+# kernels_cu/seqinfo.cuh and cuflash/proto/seqinfo.py
+SEQINFO_STEPS = [
+    (1, "Sequence lengths and first rows of this batch entry: dense, or from cu_seqlens"),
+]
+# kernels_cu/dropout.cuh and cuflash/proto/dropout.py (for_each_keep_t, the S^T walk, has no step)
+DROPOUT_STEPS = [
+    (1, "Draws: the 4 words of one Philox call, tile (row / 16, col / 16), lane (g, t)"),
+    (2, "Keep flag of one score (SIMT kernels): a whole Philox call for one draw"),
+    (3, "Keep flags of a warp's tile in the mma.sync C layout, one call per 16 x 16 (forward, dQ)"),
 ]
 # kernels_cu/softmax.cuh (OnlineSoftmax init / update / finalize) and cuflash/proto/softmax.py
 # (softmax_init / softmax_update / softmax_finalize).
@@ -102,6 +112,10 @@ def assert_same(a: Path, b: Path, *, drop=()):
     (PROTO / "mask.py", MASK_STEPS),
     (KERNELS / "softmax.cuh", SOFTMAX_STEPS),
     (PROTO / "softmax.py", SOFTMAX_STEPS),
+    (KERNELS / "seqinfo.cuh", SEQINFO_STEPS),
+    (PROTO / "seqinfo.py", SEQINFO_STEPS),
+    (KERNELS / "dropout.cuh", DROPOUT_STEPS),
+    (PROTO / "dropout.py", DROPOUT_STEPS),
 ], ids=lambda x: x.name if isinstance(x, Path) else "")
 def test_contract_steps(path, expected):
     """Every kernel file carries exactly the contract's steps, each once, in order."""
@@ -116,6 +130,8 @@ def test_contract_steps(path, expected):
     ("flash_bwd.cu", "flash_bwd.py"),
     ("mask.cuh", "mask.py"),
     ("softmax.cuh", "softmax.py"),
+    ("seqinfo.cuh", "seqinfo.py"),
+    ("dropout.cuh", "dropout.py"),
 ])
 def test_prototype_mirrors_kernel(cpp, py):
     assert_same(KERNELS / cpp, PROTO / py)
@@ -148,9 +164,9 @@ def test_prototype_mma_markers():
 
 
 def test_prototype_mask_names():
-    """proto/mask.py defines mask.cuh's block rules under the same names."""
+    """proto/mask.py defines mask.cuh's rules under the same names."""
     cuh = (KERNELS / "mask.cuh").read_text()
     py = (PROTO / "mask.py").read_text()
-    for name in ("col_limit", "n_block_max", "m_block_min", "block_needs_mask", "mask_scores"):
+    for name in ("col_lo", "col_hi", "visible", "n_block_range", "m_block_range", "needs_mask"):
         assert re.search(rf"\b{name}\s*\(", cuh), f"mask.cuh has no {name}"
         assert re.search(rf"^def {name}\(", py, re.M), f"proto/mask.py has no {name}"

@@ -93,21 +93,24 @@ class Launches:
                 launch(fn, gx, gy, gz, threads, 1, 1, smem, stream, self.argv, 0)
 
 
-def forward_launches(q, k, v, o, lse, *, causal: bool, softmax_scale: float) -> Launches:
-    """The forward of CuPy (batch, seqlen, heads, head_dim) views, kernel-ready (see `aligned`)."""
-    b, sq, h, d = q.shape
+def forward_launches(q, k, v, o, lse, *, causal: bool, softmax_scale: float, varlen=None, **variants) -> Launches:
+    """The forward of CuPy (batch, seqlen, heads, head_dim) views, kernel-ready (see `aligned`);
+    varlen and variants as for _params.fwd_params."""
+    d, h = q.shape[3], q.shape[2]
+    cfg = choose_forward(q.dtype, d, _params.variant(causal, varlen, **variants))
+    p = _params.fwd_params(q, k, v, o, lse, softmax_scale, causal, varlen, **variants)
+    b, sq = int(p["batch"]), int(p["seqlen_q"])
     check_batch(b)
-    cfg = choose_forward(q.dtype, d, causal)
-    p = _params.fwd_params(q, k, v, o, lse, softmax_scale)
     return Launches(p, [(cfg, (ceil_div(sq, cfg.block_m), h, b))])
 
 
-def backward_launches(do, q, k, v, o, lse, dq, dk, dv, dsum, *, causal: bool, softmax_scale: float) -> Launches:
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
+def backward_launches(do, q, k, v, o, lse, dq, dk, dv, dsum, *, causal: bool, softmax_scale: float, varlen=None,
+                      **variants) -> Launches:
+    d, h, hk = q.shape[3], q.shape[2], k.shape[2]
+    pre, dkdv, dqk = choose_backward(q.dtype, d, _params.variant(causal, varlen, **variants))
+    p = _params.bwd_params(do, q, k, v, o, lse, dq, dk, dv, dsum, softmax_scale, causal, varlen, **variants)
+    b, sq, sk = int(p["fwd"]["batch"]), int(p["fwd"]["seqlen_q"]), int(p["fwd"]["seqlen_k"])
     check_batch(b)
-    pre, dkdv, dqk = choose_backward(q.dtype, d, causal)
-    p = _params.bwd_params(do, q, k, v, o, lse, dq, dk, dv, dsum, softmax_scale)
     return Launches(p, [(pre, (ceil_div(sq, pre.block_m), h, b)), (dkdv, (ceil_div(sk, dkdv.block_n), hk, b)),
                         (dqk, (ceil_div(sq, dqk.block_m), h, b))])
 
@@ -118,16 +121,18 @@ def _current_stream() -> int:
     return cupy.cuda.get_current_stream().ptr
 
 
-def forward(q, k, v, *, causal, softmax_scale, out, lse):
+def forward(q, k, v, *, causal, softmax_scale, out, lse, varlen=None, **variants):
     q, k, v = _ready(q), _ready(k), _ready(v)
     o = _result_buffer(out)
-    forward_launches(q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale).run(_current_stream())
+    forward_launches(q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, varlen=varlen,
+                     **variants).run(_current_stream())
     if o is not out:
         out[...] = o
     return out, lse
 
 
-def backward(do, q, k, v, o, lse, *, causal, softmax_scale, deterministic, dq, dk, dv, dsum=None):
+def backward(do, q, k, v, o, lse, *, causal, softmax_scale, deterministic, dq, dk, dv, dsum=None, varlen=None,
+             **variants):
     """dsum (batch, heads, seqlen_q), lse's dtype: the workspace for D = rowsum(dO * O), from the
     caller's allocator when given."""
     import cupy
@@ -137,9 +142,35 @@ def backward(do, q, k, v, o, lse, *, causal, softmax_scale, deterministic, dq, d
         dsum = cupy.empty(lse.shape, dtype=lse.dtype)
     do, q, k, v, o = (_ready(x) for x in (do, q, k, v, o))
     bufs = [_result_buffer(x) for x in (dq, dk, dv)]
-    backward_launches(do, q, k, v, o, lse, *bufs, dsum, causal=causal,
-                      softmax_scale=softmax_scale).run(_current_stream())
+    backward_launches(do, q, k, v, o, lse, *bufs, dsum, causal=causal, softmax_scale=softmax_scale, varlen=varlen,
+                      **variants).run(_current_stream())
     for buf, dst in zip(bufs, (dq, dk, dv)):
         if buf is not dst:
             dst[...] = buf
+    return dq, dk, dv
+
+
+def _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    import cupy
+
+    cu = [cupy.ascontiguousarray(c) for c in (cu_seqlens_q, cu_seqlens_k)]
+    return (*cu, int(max_seqlen_q), int(max_seqlen_k))
+
+
+def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, out, lse, **kwargs):
+    """Packed (total, heads, head_dim) q, k, v, o; lse (heads, total_q). The kernels read each
+    sequence's rows from cu_seqlens (int32, on the device)."""
+    varlen = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    forward(q[None], k[None], v[None], out=out[None], lse=lse[None], varlen=varlen, **kwargs)
+    return out, lse
+
+
+def varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, dq, dk, dv,
+                    **kwargs):
+    import cupy
+
+    varlen = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    dsum = cupy.empty(lse.shape, dtype=lse.dtype)[None]
+    backward(do[None], q[None], k[None], v[None], o[None], lse[None], dq=dq[None], dk=dk[None], dv=dv[None],
+             dsum=dsum, varlen=varlen, **kwargs)
     return dq, dk, dv

@@ -161,7 +161,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, lse=None, bl
     o = np.empty(qg.shape, dtype=acc)
     lse = np.empty(qg.shape[:-1], dtype=acc)
 
-    # [1] Block coordinates: m_block, head, batch; causal skips key blocks above the diagonal
+    # [1] Block coordinates: m_block, head, batch; the mask gives the key blocks to visit
     for m_block in range(_ceil_div(seqlen_q, block_m)):
         m0, m1 = m_block * block_m, min((m_block + 1) * block_m, seqlen_q)
         # the window (and causal) skip the key blocks no row of this block sees
@@ -181,8 +181,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, lse=None, bl
             # [3] S = Q K^T
             acc_s = q_tile @ k_tile.swapaxes(-1, -2)  # (B, Hk, G, bm, bn)
 
-            # [4] Mask the sequence tail and the causal diagonal
-            # (the softcap and ALiBi transform the scores first; the window masks like the diagonal)
+            # [4] Score modifiers (softcap, ALiBi); mask the sequence tail, the causal diagonal and the window
             acc_s, _ = var.scores(acc_s, m0, m1, n0, n1, block_n)
 
             # [5] Online softmax: update row_max, rescale acc_o and row_sum, P = exp2(S * scale_log2 - row_max * scale_log2)
@@ -196,8 +195,8 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, lse=None, bl
             acc_o *= rescale
             row_max = row_max_new
 
-            # [6] O += P V
-            # (dropout drops from P here only: row_sum, and so the LSE, are those of the undropped P)
+            # [6] O += dropout(P) V
+            # (dropped from P here only: row_sum, and so the LSE, are those of the undropped P)
             acc_o += var.dropped(p, m0, m1, n0, n1) @ v_tile
 
         # [7] Finalize: O /= row_sum, LSE = row_max * softmax_scale + log(row_sum); rows that saw no key give O = 0, LSE = -inf
@@ -247,7 +246,7 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, determini
     dv = np.empty(vg.shape, dtype=acc)
     n_m_blocks = _ceil_div(seqlen_q, block_m)
 
-    # [2] dK/dV block coordinates: n_block, kv head, batch; causal skips query blocks above the diagonal
+    # [2] dK/dV block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
     for n_block in range(_ceil_div(seqlen_k, block_n)):
         n0, n1 = n_block * block_n, min((n_block + 1) * block_n, seqlen_k)
         k_tile, v_tile = kg[..., n0:n1, :], vg[..., n0:n1, :]  # (B, Hk, 1, bn, D)
@@ -263,7 +262,7 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, determini
             lse_rows = lse_log2[..., m0:m1, None]
             d_rows = dsum[..., m0:m1, None]
 
-            # [4] Recompute S = Q K^T, mask, P = exp2(S * scale_log2 - LSE * log2(e))
+            # [4] Recompute S = Q K^T, score modifiers, mask, P = exp2(S * scale_log2 - LSE * log2(e))
             acc_s = q_tile @ k_tile.swapaxes(-1, -2)
             acc_s, dcap = var.scores(acc_s, m0, m1, n0, n1, block_n)
             p = np.exp2(acc_s * scale_log2 - lse_rows)
@@ -291,7 +290,7 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, determini
         dv[:, :, 0, n0:n1, :] = acc_dv
 
     dq = np.empty(qg.shape, dtype=acc)
-    # [10] dQ block coordinates: m_block, head, batch; causal skips key blocks above the diagonal
+    # [10] dQ block coordinates: m_block, head, batch; the mask gives the key blocks to visit
     for m_block in range(n_m_blocks):
         m0, m1 = m_block * block_m, min((m_block + 1) * block_m, seqlen_q)
         q_tile, do_tile = qg[..., m0:m1, :], dog[..., m0:m1, :]
@@ -334,9 +333,12 @@ def _slopes_of(alibi_slopes, i):
     return alibi_slopes[i:i + 1]
 
 
-def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, out=None, lse=None, alibi_slopes=None, **kwargs):
+def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, out=None, lse=None,
+                   alibi_slopes=None, **kwargs):
     """Packed (total, nheads, head_dim) q, k, v; sequence by sequence through `forward` (sequence i
-    is dropout's batch index i). Returns (o like q, lse (nheads, total_q) in the accumulator dtype)."""
+    is dropout's batch index i; the longest lengths are not needed). Returns (o like q, lse (nheads,
+    total_q) in the accumulator dtype)."""
+    del max_seqlen_q, max_seqlen_k
     acc = _acc_dtype(q.dtype)
     o = np.zeros(q.shape, dtype=q.dtype) if out is None else out
     lse_all = np.full((q.shape[1], q.shape[0]), -np.inf, dtype=acc)
@@ -352,9 +354,10 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, out=None, lse=None, a
     return o, _store(lse_all, lse)
 
 
-def varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *, dq=None, dk=None, dv=None,
-                    alibi_slopes=None, **kwargs):
+def varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
+                    dq=None, dk=None, dv=None, alibi_slopes=None, **kwargs):
     """Gradients of varlen_forward, sequence by sequence through `backward`; lse (nheads, total_q)."""
+    del max_seqlen_q, max_seqlen_k
     kwargs.pop("dsum", None)
     grads = [np.zeros(x.shape, dtype=x.dtype) if g is None else g for x, g in ((q, dq), (k, dk), (v, dv))]
     for g in grads:
