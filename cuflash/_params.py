@@ -45,6 +45,7 @@ BWD_PARAMS = np.dtype(
 )
 
 LOG2E = 1.4426950408889634
+UNBOUNDED = 1 << 30  # a window bound of -1 (kUnbounded in kernels_cu/mask.cuh)
 
 # Byte offsets of the pointer runs that change from call to call (the plan cache patches them):
 # q, k, v, o, lse in FwdParams (and in BwdParams.fwd, at offset 0); dout, dq, dk, dv, dsum in BwdParams.
@@ -109,7 +110,7 @@ def _fill_fwd(p, q, k, v, o, lse, softmax_scale: float, causal: bool, varlen=Non
         p["batch"], p["seqlen_q"], p["seqlen_k"] = cu_q.shape[0] - 1, max_q, max_k
         for name in ("q", "k", "v", "o", "lse"):
             p[f"{name}_batch_stride"] = 0
-    p["window_left"], p["window_right"] = _mask.effective_window(causal, window)
+    p["window_left"], p["window_right"] = (UNBOUNDED if w < 0 else w for w in _mask.effective_window(causal, window))
     p["softcap"] = softcap
     if alibi_slopes is not None:
         p["alibi_slopes"] = _ptr_of(alibi_slopes)

@@ -225,7 +225,9 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dkdv(const __grid_cons
                 }, acc_s);
             }
             if (mask.template needs_mask<kBlockM, kBlockN>(m_block, n_block)) {
-                for_each_score_t<kNTilesQ>(key_begin + key_row0, row_begin + q_col0, lane, [&](float& x, int row, int col) {
+                // lane through recompute: the walk's row / column offsets are not kept across the loop
+                for_each_score_t<kNTilesQ>(key_begin + key_row0, row_begin + q_col0, recompute(lane),
+                                           [&](float& x, int row, int col) {
                     if (!mask.visible(row, col)) x = neg_inf<float>();
                 }, acc_s);
             }

@@ -25,25 +25,27 @@ constexpr int kAlibi = 4;
 constexpr int kDropout = 8;
 constexpr int kVarlen = 16;
 
-// A window bound of -1 (unbounded) as a number: far enough that no row + shift + bound overflows.
+// A window bound of -1 (unbounded) as the params hold it (cuflash/_params.py writes it): far enough
+// that no row + shift + bound overflows.
 constexpr int kUnbounded = 1 << 30;
 
 template <bool kIsLocal>
 struct Mask {
+    const FwdParams& p;  // window_left / window_right are read where used: constant-bank operands, no registers
     int seqlen_q, seqlen_k;
-    int shift;        // seqlen_k - seqlen_q: row i sits at key position i + shift
-    int left, right;  // the window in keys (kUnbounded for -1); unused unless kIsLocal
+    int shift;           // seqlen_k - seqlen_q: row i sits at key position i + shift
 
     // seqlen_q, seqlen_k: the batch entry's (SeqInfo)
-    __device__ __forceinline__ Mask(const FwdParams& p, int seqlen_q_, int seqlen_k_)
-        : seqlen_q(seqlen_q_), seqlen_k(seqlen_k_), shift(seqlen_k_ - seqlen_q_),
-          left(p.window_left < 0 ? kUnbounded : p.window_left),
-          right(p.window_right < 0 ? kUnbounded : p.window_right) {}
+    __device__ __forceinline__ Mask(const FwdParams& p_, int seqlen_q_, int seqlen_k_)
+        : p(p_), seqlen_q(seqlen_q_), seqlen_k(seqlen_k_), shift(seqlen_k_ - seqlen_q_) {}
+    // The window in keys; the host writes kUnbounded for -1
+    __device__ __forceinline__ int left() const { return p.window_left; }
+    __device__ __forceinline__ int right() const { return p.window_right; }
 
     // [1] Keys a row sees: [col_lo(row), col_hi(row)), inside the sequence and the window
-    __device__ __forceinline__ int col_lo(int row) const { return kIsLocal ? max(0, row + shift - left) : 0; }
+    __device__ __forceinline__ int col_lo(int row) const { return kIsLocal ? max(0, row + shift - left()) : 0; }
     __device__ __forceinline__ int col_hi(int row) const {
-        return kIsLocal ? min(seqlen_k, row + shift + right + 1) : seqlen_k;
+        return kIsLocal ? min(seqlen_k, row + shift + right() + 1) : seqlen_k;
     }
     __device__ __forceinline__ bool visible(int row, int col) const { return col >= col_lo(row) && col < col_hi(row); }
 
@@ -60,8 +62,8 @@ struct Mask {
     template <int kBlockM, int kBlockN>
     __device__ __forceinline__ void m_block_range(int n_block, int& lo, int& hi) const {
         const int col0 = n_block * kBlockN, col1 = min(col0 + kBlockN, seqlen_k);
-        const int r0 = kIsLocal ? max(0, col0 - right - shift) : 0;
-        const int r1 = kIsLocal ? min(seqlen_q, col1 - 1 + left - shift + 1) : seqlen_q;
+        const int r0 = kIsLocal ? max(0, col0 - right() - shift) : 0;
+        const int r1 = kIsLocal ? min(seqlen_q, col1 - 1 + left() - shift + 1) : seqlen_q;
         lo = r0 / kBlockM;
         hi = r1 > r0 ? ceil_div(r1, kBlockM) : lo;
     }
@@ -73,7 +75,7 @@ struct Mask {
         if (col1 > seqlen_k) return true;
         if (!kIsLocal) return false;
         const int row0 = m_block * kBlockM, row1 = min(row0 + kBlockM, seqlen_q);
-        return col1 - 1 > row0 + shift + right || col0 < row1 - 1 + shift - left;
+        return col1 - 1 > row0 + shift + right() || col0 < row1 - 1 + shift - left();
     }
 };
 
