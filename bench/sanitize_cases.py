@@ -1,6 +1,8 @@
 """A tiny sweep of the CUDA kernels for compute-sanitizer (bench/sanitize.sh runs it under memcheck
 and racecheck): odd lengths, seqlen_k of 0 and 1, causal rows that see no key, every dtype, head
-dims 40 / 64 / 128 / 256, GQA, forward and backward, through the public API with backend="cuda".
+dims 40 / 64 / 128 / 256, GQA, forward and backward, through the public API with backend="cuda";
+then the attention variants (window, softcap, ALiBi, dropout) on packed varlen batches with an
+empty sequence, every dtype.
 
     python3 bench/sanitize_cases.py [--quick]
 
@@ -37,6 +39,48 @@ def cases(quick: bool = False):
         b, h, hk = (2, 2, 1) if (i // 2) % 2 else (1, 3, 3)
         out.append((dtype, b, sq, sk, h, hk, d, causal))
     return out[::3] if quick else out
+
+
+# Variant cases: (dtype, head_dim, sequence lengths q, sequence lengths k, heads, kv heads, keywords).
+VARIANT_CASES = [
+    ("float16", 64, (37, 0, 70), (50, 9, 70), 2, 1, dict(causal=True, window=(20, 0), softcap=2.0, dropout_p=0.2)),
+    ("bfloat16", 128, (65, 3), (65, 0), 4, 2, dict(window=(8, 16), alibi_slopes=True, dropout_p=0.3)),
+    ("float32", 40, (33, 17, 0), (20, 17, 5), 2, 2, dict(causal=True, softcap=1.5, alibi_slopes=True, dropout_p=0.1)),
+    ("float64", 256, (19, 40), (40, 19), 2, 1, dict(window=(5, -1), softcap=3.0, alibi_slopes=True, dropout_p=0.4)),
+]
+
+
+def run_variant_case(dtype, d, lq, lk, h, hk, kw, seed) -> list[str]:
+    """Forward and backward of one packed batch through flash_attn_varlen_*, against the reference
+    given the specified keep mask."""
+    import cupy
+
+    import cuflash
+    from cuflash import reference
+
+    rng = np.random.default_rng(seed)
+    npdt = _np_dtype(dtype)
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lq, lk))
+    q_h, do_h = (rng.standard_normal((cu_q[-1], h, d)).astype(npdt) for _ in range(2))
+    k_h, v_h = (rng.standard_normal((cu_k[-1], hk, d)).astype(npdt) for _ in range(2))
+    kw = dict(kw, seed=seed)
+    if kw.pop("alibi_slopes", False):
+        kw["alibi_slopes"] = rng.uniform(0.1, 0.5, (len(lq), h)).astype(np.float32)
+    dev = {n: _to_device(x) for n, x in (("q", q_h), ("k", k_h), ("v", v_h), ("do", do_h))}
+    dkw = {n: (cupy.asarray(x) if isinstance(x, np.ndarray) else x) for n, x in kw.items()}
+    lens = (cupy.asarray(cu_q), cupy.asarray(cu_k), max(lq), max(lk))
+    o, lse = cuflash.flash_attn_varlen_forward(dev["q"], dev["k"], dev["v"], *lens, backend="cuda", **dkw)
+    grads = cuflash.flash_attn_varlen_backward(dev["do"], dev["q"], dev["k"], dev["v"], o, lse, *lens,
+                                               backend="cuda", **dkw)
+    cupy.cuda.runtime.deviceSynchronize()
+    ours = dict(zip(("o", "lse", "dq", "dk", "dv"), (_to_host64(x) for x in (o, lse, *grads))))
+    rk = {n: x for n, x in kw.items() if n != "seed"}
+    rk["dropout_mask"] = cuflash.dropout_mask(len(lq), h, max(lq), max(lk), dropout_p=kw["dropout_p"], seed=seed)
+    q64, k64, v64, do64 = (x.astype(np.float64) for x in (q_h, k_h, v_h, do_h))
+    ref = dict(zip(("o", "lse"), reference.forward(q64, k64, v64, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **rk)))
+    ref.update(zip(("dq", "dk", "dv"), reference.backward(do64, q64, k64, v64, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                                          **rk)))
+    return _compare(dtype, ours, ref)
 
 
 def _np_dtype(dtype):
@@ -82,6 +126,11 @@ def run_case(dtype, b, sq, sk, h, hk, d, causal, seed) -> list[str]:
     q64, k64, v64, do64 = (x.astype(np.float64) for x in (q_h, k_h, v_h, do_h))
     ref = dict(zip(("o", "lse"), reference.forward(q64, k64, v64, causal=causal)))
     ref.update(zip(("dq", "dk", "dv"), reference.backward(do64, q64, k64, v64, causal=causal)))
+    return _compare(dtype, ours, ref)
+
+
+def _compare(dtype, ours: dict, ref: dict) -> list[str]:
+    """What is wrong with ours against the float64 reference: shapes, NaN, -inf rows, loose error."""
     fails = []
     for name in ("o", "lse", "dq", "dk", "dv"):
         x, r = ours[name], ref[name]
@@ -129,8 +178,18 @@ def main(argv=None) -> int:
         failed += bool(fails)
         status = "ok  " if not fails else "FAIL"
         print(f"{status} {name}" + "".join(f"\n       {f}" for f in fails), flush=True)
+    for i, (dtype, d, lq, lk, h, hk, kw) in enumerate(VARIANT_CASES):
+        name = f"{dtype:8s} varlen q={lq} k={lk} h={h} hk={hk} d={d:3d} {kw}"
+        try:
+            fails = run_variant_case(dtype, d, lq, lk, h, hk, kw, seed=100 + i)
+        except Exception as e:  # noqa: BLE001
+            print(f"ERROR {name}: {type(e).__name__}: {e}", flush=True)
+            return 1
+        failed += bool(fails)
+        print(("ok   " if not fails else "FAIL ") + name + "".join(f"\n       {f}" for f in fails), flush=True)
     dt = time.perf_counter() - t0
-    print(f"{len(todo) - failed}/{len(todo)} cases passed in {dt:.1f} s", flush=True)
+    total = len(todo) + len(VARIANT_CASES)
+    print(f"{total - failed}/{total} cases passed in {dt:.1f} s", flush=True)
     return 1 if failed else 0
 
 

@@ -138,6 +138,14 @@ _TILES: dict[str, dict[int, tuple[int, int, int]]] = {
 }
 
 
+# Tiles for the score modifiers and dropout (SOFTCAP, ALIBI, DROPOUT: registers of their own) where the
+# plain tile spills: 8 warps share the block, halving each thread's accumulators. Same format as _TILES.
+HEAVY = SOFTCAP | ALIBI | DROPOUT
+_TILES_HEAVY: dict[str, dict[int, tuple[int, int, int]]] = {
+    "flash_fwd": {128: (128, 32, 8), 160: (128, 32, 8)},
+    "flash_bwd_dkdv": {96: (64, 64, 8), 128: (64, 64, 8)},
+}
+
 # flash_bwd_preprocess: (block_m, warps), whatever the head dim (it takes none).
 _PREPROCESS_TILE = (64, 4)
 
@@ -183,7 +191,8 @@ def compiled_head_dim(head_dim: int) -> int:
 
 def _make(kernel: str, dtype: str, head_dim: int, variant: int) -> KernelConfig:
     d = compiled_head_dim(head_dim)
-    bm, bn, warps = _TILES[kernel][d]
+    heavy = _TILES_HEAVY.get(kernel, {}) if variant & HEAVY else {}
+    bm, bn, warps = heavy.get(d) or _TILES[kernel][d]
     return KernelConfig(kernel, dtype, d, bm, bn, warps, int(variant))
 
 

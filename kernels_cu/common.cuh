@@ -64,4 +64,15 @@ __device__ __forceinline__ A warp_allreduce_sum(A x) {
     return x;
 }
 
+// x, opaque to the compiler. Thread-index arithmetic derived from the result is computed where it is
+// used instead of being shared (common-subexpression elimination) with the same arithmetic done before
+// a long loop, which would keep those values in registers across the whole loop. flash_bwd_dkdv takes
+// its thread index through this once per query block and once for the final store: without it NVRTC
+// 12.9 spilled such values (tile-copy offsets and row predicates) for d = 64 causal on sm_80 and
+// d = 128 on sm_90. Costs a few integer instructions per use; changes no arithmetic on data.
+__device__ __forceinline__ int recompute(int x) {
+    asm volatile("" : "+r"(x));
+    return x;
+}
+
 }  // namespace cuflash

@@ -28,17 +28,6 @@ __device__ __forceinline__ float lse_to_log2_offset(float lse) {
     return lse == neg_inf<float>() ? -neg_inf<float>() : lse * 1.4426950408889634f;
 }
 
-// x, opaque to the compiler. Thread-index arithmetic derived from the result is computed where it is
-// used instead of being shared (common-subexpression elimination) with the same arithmetic done before
-// a long loop, which would keep those values in registers across the whole loop. flash_bwd_dkdv takes
-// its thread index through this once per query block and once for the final store: without it NVRTC
-// 12.9 spilled such values (tile-copy offsets and row predicates) for d = 64 causal on sm_80 and
-// d = 128 on sm_90. Costs a few integer instructions per use; changes no arithmetic on data.
-__device__ __forceinline__ int recompute(int x) {
-    asm volatile("" : "+r"(x));
-    return x;
-}
-
 // D = rowsum(dO * O), one warp per row (lanes stride over head_dim), accumulated in acc_t<T>.
 // Grid (ceil(seqlen_q / kBlockM), nheads, batch); rows >= seqlen_q are not written. No shared memory.
 // Takes no head dim, key tile or mask: one instantiation per dtype serves every head_dim and every
@@ -83,8 +72,12 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_preprocess(const __gri
 //   sLse [kBlockM] (log2 offsets), sD [kBlockM]
 //   config.smem_bytes: (2 * block_n + 2 * block_m) * (head_dim + 8) * 2
 //                      + (kWM > 1 ? 2 * block_n * (block_m + 8) * 2 : 0) + 2 * block_m * 4
+//
+// Launch bounds: minBlocks 0 leaves ptxas its occupancy heuristic, except at d = 32 with a mask, where
+// the heuristic trims to 128 registers and spills (the compile gate, sm_90): there 1 lifts the trim.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kVariant>
-__global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dkdv(const __grid_constant__ BwdParams p) {
+__global__ void __launch_bounds__(kNWarps * 32, kHeadDim == 32 && (kVariant & kLocal) ? 1 : 0)
+    flash_bwd_dkdv(const __grid_constant__ BwdParams p) {
     static_assert(sizeof(T) == 2, "tensor-core kernel: __half or __nv_bfloat16");
     static_assert(kBlockN % 16 == 0 && kNWarps % (kBlockN / 16) == 0, "16 key rows per warp");
     constexpr int kNThreads = kNWarps * 32;
@@ -225,8 +218,10 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dkdv(const __grid_cons
                 }, acc_s);
             }
             if (mask.template needs_mask<kBlockM, kBlockN>(m_block, n_block)) {
-                // lane through recompute: the walk's row / column offsets are not kept across the loop
-                for_each_score_t<kNTilesQ>(key_begin + key_row0, row_begin + q_col0, recompute(lane),
+                // d >= 128: lane through recompute, so that the walk's row / column offsets are not kept
+                // across the loop (without it d = 128 spills; with it d = 32 does: the compile gate)
+                for_each_score_t<kNTilesQ>(key_begin + key_row0, row_begin + q_col0,
+                                           kHeadDim >= 128 ? recompute(lane) : lane,
                                            [&](float& x, int row, int col) {
                     if (!mask.visible(row, col)) x = neg_inf<float>();
                 }, acc_s);
@@ -502,9 +497,14 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dq(const __grid_consta
             Dropout(p.fwd, batch, head).for_each_keep(acc_dp, row_begin + warp_row0, key0, lane,
                                                       [rp](float& x, bool kept) { x = kept ? x * rp : 0.f; });
         }
-        // Score modifiers and mask on S; dS = P * (dP - D), times the softcap's 1 - tanh^2
-        // acc_s / acc_dp[mi][ni][2h + e]: row slot r = 2 mi + h (lse_off, dsum) as in mma.cuh's for_each_score
-        const bool masked = mask.template needs_mask<kBlockM, kBlockN>(m_block, n_block);
+        // Mask, then score modifiers on the visible scores; dS = P * (dP - D), times the softcap's 1 - tanh^2
+        if (mask.template needs_mask<kBlockM, kBlockN>(m_block, n_block)) {
+            // lane through recompute: the walk's row / column offsets are not kept across the loop
+            for_each_score<kMTiles, kNTilesS>(row_begin + warp_row0, key0, recompute(lane), [&](float& x, int row, int col) {
+                if (!mask.visible(row, col)) x = neg_inf<float>();
+            }, acc_s);
+        }
+        // acc_s / acc_dp[mi][ni][2h + e]: row slot r = 2 mi + h (lse_off, dsum), as in mma.cuh's for_each_score
 #pragma unroll
         for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
@@ -512,10 +512,11 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dq(const __grid_consta
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int r = 2 * mi + (e >> 1);
-                    const int row = row_begin + warp_row0 + 16 * mi + g + 8 * (e >> 1), col = key0 + 8 * ni + 2 * t + (e & 1);
-                    float dcap;
-                    float sv = mod.apply(acc_s[mi][ni][e], row, col, dcap);
-                    if (masked && !mask.visible(row, col)) sv = neg_inf<float>();
+                    float sv = acc_s[mi][ni][e], dcap = 1.f;
+                    if constexpr (Mod::kTransform) {
+                        const int row = row_begin + warp_row0 + 16 * mi + g + 8 * (e >> 1);
+                        if (sv != neg_inf<float>()) sv = mod.apply(sv, row, key0 + 8 * ni + 2 * t + (e & 1), dcap);
+                    }
                     const float pv = exp2f(sv * scale_log2 - lse_off[r]);
                     acc_dp[mi][ni][e] = pv * (acc_dp[mi][ni][e] - dsum[r]) * dcap;  // now dS
                 }

@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const __grid_constant_
             }, acc_s);
         }
         if (mask.template needs_mask<kBlockM, kBlockN>(m_block, n_block)) {
-            for_each_score<kMTiles, kNTilesS>(row_begin + warp_row0, key0, lane, [&](float& x, int row, int col) {
+            for_each_score<kMTiles, kNTilesS>(row_begin + warp_row0, key0, recompute(lane), [&](float& x, int row, int col) {
                 if (!mask.visible(row, col)) x = neg_inf<float>();
             }, acc_s);
         }

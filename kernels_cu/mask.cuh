@@ -47,7 +47,13 @@ struct Mask {
     __device__ __forceinline__ int col_hi(int row) const {
         return kIsLocal ? min(seqlen_k, row + shift + right() + 1) : seqlen_k;
     }
-    __device__ __forceinline__ bool visible(int row, int col) const { return col >= col_lo(row) && col < col_hi(row); }
+    // The same test per score, as the key's offset from the row's diagonal: col - row in [shift - left,
+    // shift + right] (fewer live values than col_lo / col_hi in the kernels' element loops).
+    __device__ __forceinline__ bool visible(int row, int col) const {
+        if (!kIsLocal) return col < seqlen_k;
+        const int off = col - row;
+        return col < seqlen_k && off >= shift - left() && off <= shift + right();
+    }
 
     // [2] Key blocks a query block visits: [lo, hi), those some row of the block sees (lo >= hi: none)
     template <int kBlockM, int kBlockN>

@@ -477,7 +477,8 @@ class FakeImpl:
     clock = "fake"
     memory = "fake"
 
-    def __init__(self, name="cuflash", backend="cuda", layout="bshd", torch_inputs=False, raw_backward=False):
+    def __init__(self, name="cuflash", backend="cuda", layout="bshd", torch_inputs=False, raw_backward=False,
+                 **variant):
         self.name = name
 
     def available(self):

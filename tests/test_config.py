@@ -68,7 +68,7 @@ def test_template_names_match_the_kernels_template_parameters():
     (T -> dtype, kHeadDim -> head_dim, ...), and template_name gives one argument per parameter."""
     fields = {"T": "dtype", "kHeadDim": "head_dim", "kBlockM": "block_m", "kBlockN": "block_n",
               "kNWarps": "warps", "kVariant": "variant"}
-    kernel_re = re.compile(r"template <([^>]*)>\s*__global__ void __launch_bounds__\([^)]*\)\s*(\w+)\(")
+    kernel_re = re.compile(r"template <([^>]*)>\s*__global__ void __launch_bounds__\((?:[^()]|\([^()]*\))*\)\s*(\w+)\(")
     found = {}
     for source in set(config.SOURCES.values()):
         for params, name in kernel_re.findall((_compile.kernels_dir() / source).read_text()):

@@ -74,3 +74,63 @@ def test_field_count_matches_header():
             parts = [p.strip() for p in re.sub(r"^(const\s+)?(unsigned\s+)?(long long|\w+)\s*\**\s*", "", decl).split(",")]
             names += [p.lstrip("*").strip() for p in parts]
         assert names == list(dtype.names), f"{struct}: header {names} != dtype {list(dtype.names)}"
+
+
+class _Dev:
+    """A stand-in for a CuPy array: shape, strides, itemsize and a device pointer (no GPU needed)."""
+
+    def __init__(self, shape, itemsize=2, ptr=4096):
+        import math as _m
+
+        self.shape, self.itemsize, self.ndim = tuple(shape), itemsize, len(shape)
+        self.size = _m.prod(shape)
+        st, acc = [], itemsize
+        for n in reversed(shape):
+            st.append(acc)
+            acc *= n
+        self.strides = tuple(reversed(st))
+        self.data = type("D", (), {"ptr": ptr})()
+
+    def __getitem__(self, idx):  # x[None]: a leading axis of 1
+        assert idx is None
+        v = _Dev((1, *self.shape), self.itemsize, self.data.ptr)
+        v.strides = (self.size * self.itemsize, *self.strides)
+        return v
+
+
+def test_variant_fields_are_packed():
+    from cuflash import _params, _philox, config
+
+    q, k = _Dev((2, 100, 4, 64)), _Dev((2, 120, 2, 64))
+    lse = _Dev((2, 4, 100), 4)
+    slopes = _Dev((2, 4), 4, ptr=8192)
+    p = _params.fwd_params(q, k, k, q, lse, 0.125, True, window=(16, 3), softcap=5.0, alibi_slopes=slopes,
+                           dropout_p=0.25, seed=2**40 + 3, offset=7)
+    assert (int(p["window_left"]), int(p["window_right"])) == (16, 0)  # causal: right = 0
+    assert float(p["softcap"]) == 5.0 and int(p["alibi_slopes"]) == 8192 and int(p["alibi_batch_stride"]) == 4
+    assert int(p["seed"]) == 2**40 + 3 and int(p["offset"]) == 7
+    assert int(p["dropout_threshold"]) == _philox.threshold(0.25) == 16384
+    assert abs(float(p["dropout_scale"]) - 1 / 0.75) < 1e-6
+    plain = _params.fwd_params(q, k, k, q, lse, 0.125, False)
+    assert (int(plain["window_left"]), int(plain["window_right"])) == (_params.UNBOUNDED,) * 2
+    assert int(plain["alibi_slopes"]) == 0 and int(plain["cu_seqlens_q"]) == 0
+    assert _params.variant(True) == config.LOCAL and _params.variant(False) == 0
+    assert _params.variant(False, None, window=(-1, 4), softcap=1.0) == config.LOCAL | config.SOFTCAP
+    assert _params.variant(False, ("cu",), dropout_p=0.1) == config.DROPOUT | config.VARLEN
+
+
+def test_varlen_params_are_packed():
+    from cuflash import _params
+
+    q, k, lse = _Dev((300, 4, 64)), _Dev((350, 2, 64)), _Dev((4, 300), 4)
+    cu_q, cu_k = _Dev((4,), 4, ptr=111), _Dev((4,), 4, ptr=222)
+    p = _params.bwd_params(q[None], q[None], k[None], k[None], q[None], lse[None], q[None], k[None], k[None],
+                           lse[None], 0.125, False, (cu_q, cu_k, 200, 180))
+    f = p["fwd"]
+    assert (int(f["batch"]), int(f["seqlen_q"]), int(f["seqlen_k"])) == (3, 200, 180)
+    assert (int(f["cu_seqlens_q"]), int(f["cu_seqlens_k"])) == (111, 222)
+    for name in ("q", "k", "v", "o", "lse"):
+        assert int(f[f"{name}_batch_stride"]) == 0, name
+    for name in ("do", "dq", "dk", "dv", "dsum"):
+        assert int(p[f"{name}_batch_stride"]) == 0, name
+    assert int(f["q_row_stride"]) == 4 * 64 and int(f["lse_head_stride"]) == 300

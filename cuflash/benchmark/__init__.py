@@ -7,6 +7,6 @@ report (JSON schema, meta, ratio columns, tables), plots (matplotlib), command (
 Nothing here imports CuPy, torch or NVML at module import time: the command must run without a GPU.
 """
 
-SUITES = ("seqlen", "headdim", "memory", "launch", "accuracy", "energy")
+SUITES = ("seqlen", "headdim", "memory", "launch", "accuracy", "energy", "variants")
 
 __all__ = ["SUITES"]

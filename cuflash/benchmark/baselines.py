@@ -250,8 +250,12 @@ class Cuflash(Impl):
     or the tiled NumPy backend on NumPy arrays (backend="numpy")."""
 
     def __init__(self, name: str = "cuflash", backend: str = "cuda", layout: str = "bshd",
-                 torch_inputs: bool = False):
+                 torch_inputs: bool = False, variant: dict | None = None, kv_heads: int | None = None,
+                 varlen: bool = False):
+        """variant: the API's variant keywords; kv_heads: GQA through the first kv_heads heads of k, v
+        (strided views); varlen: the batch as packed equal-length sequences (flash_attn_varlen_*)."""
         self.name, self.backend, self.layout, self.torch_inputs = name, backend, layout, torch_inputs
+        self.variant, self.kv_heads, self.varlen = dict(variant or {}), kv_heads, varlen
         self.clock = "torch" if torch_inputs else "cupy"
         self.memory = "host" if backend == "numpy" else "cupy"
 
@@ -263,19 +267,40 @@ class Cuflash(Impl):
         return torch_cuda() if ok and self.torch_inputs else (ok, why)
 
     def prepare(self, s):
-        return InputSet(*(to_torch(x) for x in (s.q, s.k, s.v, s.do))) if self.torch_inputs else s
+        s = InputSet(*(to_torch(x) for x in (s.q, s.k, s.v, s.do))) if self.torch_inputs else s
+        if self.kv_heads:
+            s = InputSet(s.q, s.k[:, :, :self.kv_heads], s.v[:, :, :self.kv_heads], s.do)
+        if self.variant.get("alibi_slopes") == "h":  # ALiBi's geometric slopes 2**(-8 (h + 1) / H)
+            import cupy
+
+            h = s.q.shape[2]
+            self.variant["alibi_slopes"] = cupy.asarray([2.0 ** (-8 * (i + 1) / h) for i in range(h)], cupy.float32)
+        if self.varlen:  # (B, N, H, d) -> (B * N, H, d), and the cumulative lengths of B sequences of N
+            import cupy
+
+            b, n = s.q.shape[:2]
+            s = InputSet(*(x.reshape(b * n, *x.shape[2:]) for x in (s.q, s.k, s.v, s.do)))
+            self.cu = cupy.arange(0, (b + 1) * n, n, dtype=cupy.int32)
+        return s
 
     def _kw(self, case):
-        return dict(causal=case.causal, softmax_scale=case.scale, layout=self.layout, backend=self.backend)
+        kw = dict(causal=case.causal, softmax_scale=case.scale, backend=self.backend, **self.variant)
+        return kw if self.varlen else {**kw, "layout": self.layout}
 
     def forward_call(self, case, s):
-        from ..api import flash_attn_forward
+        from ..api import flash_attn_forward, flash_attn_varlen_forward
 
+        if self.varlen:
+            return functools.partial(flash_attn_varlen_forward, s.q, s.k, s.v, self.cu, self.cu, case.seqlen_q,
+                                     case.seqlen_k, **self._kw(case))
         return functools.partial(flash_attn_forward, s.q, s.k, s.v, **self._kw(case))
 
     def backward_call(self, case, s, state):
-        from ..api import flash_attn_backward
+        from ..api import flash_attn_backward, flash_attn_varlen_backward
 
+        if self.varlen:
+            return functools.partial(flash_attn_varlen_backward, s.do, s.q, s.k, s.v, *state, self.cu, self.cu,
+                                     case.seqlen_q, case.seqlen_k, **self._kw(case))
         return functools.partial(flash_attn_backward, s.do, s.q, s.k, s.v, *state, **self._kw(case))
 
 
@@ -537,8 +562,12 @@ class TorchSDPA(Impl):
     clock = "torch"
     memory = "torch"
 
-    def __init__(self, name: str, layout: str = "bshd", raw_backward: bool = False):
+    def __init__(self, name: str, layout: str = "bshd", raw_backward: bool = False, variant: dict | None = None,
+                 kv_heads: int | None = None):
+        """variant: extra keywords of F.scaled_dot_product_attention (dropout_p); kv_heads: GQA
+        (enable_gqa) through the first kv_heads heads of k, v."""
         self.name, self.layout, self.raw_backward = name, layout, raw_backward
+        self.variant, self.kv_heads = dict(variant or {}), kv_heads
         self.backend = TORCH_BACKENDS[name]
 
     def notes(self, dtype):
@@ -564,8 +593,11 @@ class TorchSDPA(Impl):
         return sdpa_kernel(getattr(SDPBackend, self.backend))
 
     def prepare(self, s):
-        return InputSet(*(to_torch(x) if self.layout == "bhsd" else to_torch(x).transpose(1, 2)
-                          for x in (s.q, s.k, s.v, s.do)))
+        s = InputSet(*(to_torch(x) if self.layout == "bhsd" else to_torch(x).transpose(1, 2)
+                       for x in (s.q, s.k, s.v, s.do)))
+        if self.kv_heads:  # (B, H, N, d): the first kv_heads heads
+            s = InputSet(s.q, s.k[:, :self.kv_heads], s.v[:, :self.kv_heads], s.do)
+        return s
 
     def calls(self, case, sets, mode):
         with warnings.catch_warnings(record=True) as caught:
@@ -585,6 +617,7 @@ class TorchSDPA(Impl):
         import torch.nn.functional as F
 
         kw = dict(is_causal=case.causal, scale=case.scale)  # causal: top-left == bottom-right for Sq == Sk
+        kw.update(self.variant, **({"enable_gqa": True} if self.kv_heads else {}))
         if mode == "fwd":
             return functools.partial(F.scaled_dot_product_attention, s.q, s.k, s.v, **kw)
         if mode == "bwd" and self.raw_backward:

@@ -119,7 +119,7 @@ SHAPE_KEYS = ("batch", "nheads", "seqlen_q", "seqlen_k", "head_dim")
 ROW_STATUS = ("ok", "unavailable", "OOM", "skipped", "error")
 SUITE_STATUS = ("ok", "partial", "skipped", "error")
 MODES = ("fwd", "bwd", "fwd_bwd")
-TIMING_SUITES = ("seqlen", "headdim", "launch")
+TIMING_SUITES = ("seqlen", "headdim", "launch", "variants")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -662,6 +662,25 @@ def _energy_tables(rows: list[dict], title: str, caption: str) -> list[Table]:
     return [t]
 
 
+def _variants_tables(rows: list[dict], title: str, caption: str) -> list[Table]:
+    """Per variant and mode: cuflash's time, over plain attention's (and the tiles it visits, over plain's),
+    and torch SDPA's time where it has the operation."""
+    impls = [i for i in _impls(rows) if i != "cuflash"]
+    header = ["variant", "mode", "cuflash ms", "time / plain", "tiles / plain",
+              *(f"{_head(rows, i)} ms" for i in impls), *(f"{i} / cuflash" for i in impls)]
+    t = Table(f"{title}: variants against plain attention", header, caption=caption, text_cols=2)
+    cells = _cells(rows, lambda r: (r["variant"], r["mode"]))
+    for (variant, mode), c in cells.items():
+        ours = c.get("cuflash")
+        line = [variant, mode, _fmt(ours["ms_median"], ".3f") if _ok(ours) else _status(ours),
+                _fmt((ours or {}).get("time_vs_plain"), ".2f"), _fmt((ours or {}).get("tiles_vs_plain"), ".2f")]
+        line += [_fmt(c[i]["ms_median"], ".3f") if _ok(c.get(i)) else "" for i in impls]
+        line += [_fmt(c[i]["ms_median"] / ours["ms_median"], ".2f") if _ok(c.get(i)) and _ok(ours) else ""
+                 for i in impls]
+        t.rows.append(line)
+    return [t]
+
+
 def _not_run_table(name: str, rows: list[dict]) -> list[Table]:
     bad = [r for r in rows if r["status"] not in ("ok", "skipped")]
     reasons = list(dict.fromkeys(f"{r['implementation']}: {r['status']}: {r['reason']}" for r in bad))
@@ -683,6 +702,8 @@ def tables(name: str, suite: dict) -> list[Table]:
         out = _accuracy_tables(rows, title, caption)
     elif name == "launch":
         out = _launch_tables(rows, title, caption, suite.get("host_timing") or "")
+    elif name == "variants":
+        out = _variants_tables(rows, title, caption)
     else:
         out = _energy_tables(rows, title, caption)
     return out + _not_run_table(name, rows)

@@ -48,6 +48,19 @@ CPU_SUITES = ("memory", "accuracy")
 LAUNCH_SHAPES = ((1, 8, 128, 64), (2, 8, 4096, 128), (4, 16, 8192, 128))
 OUTPUTS = {"o": "fwd", "dq": "bwd", "dk": "bwd", "dv": "bwd"}  # accuracy: each output and the call giving it
 SKIPPED = "the time budget (--max-suite-seconds / --max-seconds) ran out"
+# variants: name -> (cuflash keywords, torch SDPA keywords or None where SDPA has no such operation).
+# "window-<w>" sees w keys per row (left w, right 0 when causal; w / 2 each side otherwise); "gqa" reads
+# nheads / 4 kv heads; "varlen" packs the batch as equal-length sequences. "h" slopes: 2**(-8 (h + 1) / H).
+VARIANTS = {
+    "plain": ({}, {}),
+    "softcap": ({"softcap": 30.0}, None),
+    "alibi": ({"alibi_slopes": "h"}, None),
+    "dropout": ({"dropout_p": 0.1, "seed": 1}, {"dropout_p": 0.1}),
+    "window-1024": ({"window": 1024}, None),
+    "window-4096": ({"window": 4096}, None),
+    "gqa": ({}, {}),
+    "varlen": ({}, None),
+}
 
 
 @dataclasses.dataclass
@@ -122,7 +135,41 @@ def suite_params(name: str, s: Settings, platform: str) -> dict:
         n = max(s.seqlens) if s.seqlens else (4096 if q else 16384)
         return {**base, "seqlen": n, "modes": ["fwd"] if q else ["fwd", "fwd_bwd"], "window_s": s.energy_window,
                 "idle_window_s": 2.0}
+    if name == "variants":
+        return {**base, "seqlen": max(s.seqlens) if s.seqlens else (2048 if q else 8192), "modes": ["fwd", "fwd_bwd"],
+                "variants": list(VARIANTS)}
     raise ValueError(f"unknown suite {name!r}")
+
+
+def variant_call(name: str, case: Case) -> tuple[dict, dict | None, int | None, bool]:
+    """(cuflash keywords, torch keywords or None, kv heads or None, varlen) of one variants-suite row (pure:
+    Cuflash.prepare makes the "h" ALiBi slopes)."""
+    kw, torch_kw = (dict(x) if x is not None else None for x in VARIANTS[name])
+    if "window" in kw:
+        w = kw["window"]
+        kw["window"] = (w, 0) if case.causal else (w // 2, w // 2)
+    return kw, torch_kw, (case.nheads // 4 if name == "gqa" else None), name == "varlen"
+
+
+def variant_bits(name: str, case: Case) -> int:
+    """The kernels' kVariant of one variants-suite row (pure)."""
+    from .. import config
+
+    kw = VARIANTS[name][0]
+    return config.variant_bits(local=case.causal or "window" in kw, softcap="softcap" in kw,
+                               alibi="alibi_slopes" in kw, dropout="dropout_p" in kw, varlen=name == "varlen")
+
+
+def tiles_visited(name: str, case: Case) -> int:
+    """Tiles of S the forward visits for a variants-suite row (the window's prediction of its time)."""
+    from .. import _mask, config
+
+    cfg = config.choose_forward(case.dtype, case.head_dim, variant_bits(name, case))
+    w = VARIANTS[name][0].get("window")
+    left, right = (-1, 0 if case.causal else -1) if w is None else ((w, 0) if case.causal else (w // 2, w // 2))
+    n = case.seqlen_q
+    return sum(hi - lo for lo, hi in (_mask.n_block_range(m, cfg.block_m, cfg.block_n, n, n, left, right)
+                                      for m in range(-(-n // cfg.block_m))))
 
 
 def suite_cases(name: str, p: dict) -> list[Case]:
@@ -133,7 +180,7 @@ def suite_cases(name: str, p: dict) -> list[Case]:
     if name == "launch":
         return [Case(x["batch"], x["nheads"], x["seqlen"], x["seqlen"], x["head_dim"], p["dtype"], p["causal"])
                 for x in p["shapes"]]
-    if name == "energy":
+    if name in ("energy", "variants"):
         return [Case(p["batch"], p["nheads"], p["seqlen"], p["seqlen"], p["head_dim"], p["dtype"], p["causal"])]
     if name == "accuracy":
         return [Case(p["batch"], p["nheads"], n, n, p["head_dim"], dt, p["causal"])
@@ -150,6 +197,8 @@ def cell_count(name: str, p: dict, n_impls: int) -> int:
         return cases
     if name == "launch":
         return cases * len(p["modes"])
+    if name == "variants":
+        return len(p["variants"])
     return cases * n_impls
 
 
@@ -163,9 +212,11 @@ def kernel_configs(s: Settings, names: list[str]) -> list:
             continue
         p = suite_params(name, s, "gpu")
         for c in suite_cases(name, p):
-            out.append(config.choose_forward(c.dtype, c.head_dim, c.causal))
-            if set(p["modes"]) - {"fwd"}:
-                out.extend(config.choose_backward(c.dtype, c.head_dim, c.causal))
+            for bits in ([variant_bits(v, c) for v in p["variants"]] if name == "variants"
+                         else [config.variant_bits(local=c.causal)]):
+                out.append(config.choose_forward(c.dtype, c.head_dim, bits))
+                if set(p["modes"]) - {"fwd"}:
+                    out.extend(config.choose_backward(c.dtype, c.head_dim, bits))
     return list(dict.fromkeys(out))
 
 
@@ -480,6 +531,33 @@ class Runner:
             self._free()
         add_host_ratios(rows)
         return {"host_timing": p["host_timing"]}
+
+    def _variants(self, p: dict, budget: Budget, rows: list) -> dict:
+        """Each variant's device time against plain attention of the same shape (same implementation), and
+        against torch SDPA where it has the same operation (dropout, GQA)."""
+        from .timing import clock, input_sets_for, time_device
+
+        (case,) = suite_cases("variants", p)
+        sets = self._inputs(case, input_sets_for(case.set_bytes("fwd_bwd"), self._l2_bytes()))
+        for name in p["variants"]:
+            self.step(name)
+            kw, torch_kw, kv_heads, varlen = variant_call(name, case)
+            impls = [Cuflash(variant=kw, kv_heads=kv_heads, varlen=varlen)]
+            if torch_kw is not None:
+                impls += [TorchSDPA(n, variant=torch_kw, kv_heads=kv_heads) for n in ("torch-flash", "torch-cudnn")
+                          if n in self.s.backends]
+            for impl in impls:
+                for mode in p["modes"]:
+                    self._cell(rows, budget, case, impl, mode,
+                               lambda: time_device(impl.calls(case, sets, mode), clock(impl.clock), **self._timer()))
+                    rows[-1].update(variant=name, tiles=tiles_visited(name, case))
+        for r in rows:  # time over plain attention's, same implementation and mode
+            plain = next((x for x in rows if x["variant"] == "plain" and x["implementation"] == r["implementation"]
+                          and x["mode"] == r["mode"] and x["status"] == "ok"), None)
+            if r["status"] == "ok" and plain:
+                r["time_vs_plain"] = r["ms_median"] / plain["ms_median"]
+                r["tiles_vs_plain"] = r["tiles"] / plain["tiles"]
+        return {}
 
     def _graph_row(self, case: Case, mode: str, fn) -> dict:
         """Capture fn into a CUDA graph on a side stream and time its replay (device and host)."""
