@@ -9,6 +9,11 @@ load and back on store). bfloat16 arrays (ml_dtypes.bfloat16, which Numba cannot
 converted to float32 before the launch and the results rounded back to bfloat16 after it; the
 kernel's arithmetic is the same (bf16 -> fp32 is exact), only its loads are wider.
 
+Variants: forward / backward take the CUDA backend's keywords (window, softcap, alibi_slopes,
+dropout_p, seed, offset) and varlen_forward / varlen_backward its packed arrays; the values become the
+prototypes' arguments as cuflash/_params.py fills FwdParams (-1 window bounds as UNBOUNDED), and
+cfg.variant (the kVariant bits) selects what the kernels apply.
+
 Config: cuflash.config.choose_forward / choose_backward, with the tiles shrunk where needed so that
 a prototype's static shared memory fits in 48 KiB (Numba has no opt-in for more).
 """
