@@ -2,8 +2,9 @@
 
 Simulator tests: Numba's CUDA simulator is chosen once per process, when numba.cuda is first imported,
 so the simulated runs happen in ONE subprocess started with NUMBA_ENABLE_CUDASIM=1 (this file run as a
-script, `--sim-worker OUT.npz`). It computes every case of SIM_CASES and saves inputs and outputs;
-the tests here compare them with cuflash.reference. The rest of the suite keeps whatever numba mode it
+script, `--sim-worker OUT.npz`). It computes every case of SIM_CASES and VARIANT_CASES and saves
+inputs and outputs; the tests here compare SIM_CASES with cuflash.reference and VARIANT_CASES (window,
+softcap, ALiBi, dropout, varlen) with the NumPy backend, which specifies the variants. The rest of the suite keeps whatever numba mode it
 had. Tiles are tiny (16 x 16, 1-2 warps): the simulator runs each thread as a Python thread.
 
 GPU tests (marked gpu) run the backend on the real device at moderate sizes against the reference and
@@ -43,6 +44,31 @@ SIM_CASES = {
 # Through cuflash.api with backend="numba" and the backend's own config choice (64 x 32 tiles, 4 warps).
 API_CASE = (1, 7, 9, 2, 1, 8, True, "float32")
 
+# name -> (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, dtype, (cfg head_dim, block_m,
+#          block_n, warps), variants, varlen): variants are the backends' keyword arguments ("alibi": the
+# slopes' shape, drawn in the worker); varlen (cu_seqlens_q, cu_seqlens_k) makes the case packed, its
+# batch the number of sequences and its seqlen_q / seqlen_k the totals. Forward and backward each.
+VARIANT_CASES = {
+    "window_left_causal_gqa": (1, 20, 37, 2, 1, 8, True, "float32", (8, 16, 16, 1), {"window": (5, -1)}, None),
+    "window_left_right_sq_gt_sk": (1, 33, 20, 2, 2, 8, False, "float64", (8, 16, 16, 1), {"window": (3, 4)}, None),
+    "window_right_only_2warps": (1, 24, 30, 1, 1, 8, False, "float32", (8, 16, 16, 2), {"window": (-1, 2)}, None),
+    "softcap_gqa": (1, 20, 27, 2, 1, 8, False, "float32", (8, 16, 16, 1), {"softcap": 2.0}, None),
+    "alibi_heads_causal": (1, 20, 25, 2, 2, 8, True, "float64", (8, 16, 16, 1), {"alibi": (2,)}, None),
+    "alibi_batch_heads_gqa": (2, 18, 23, 2, 1, 8, False, "float32", (8, 16, 16, 1), {"alibi": (2, 2)}, None),
+    "dropout_gqa_batch2": (2, 20, 25, 2, 1, 8, False, "float32", (8, 16, 16, 1),
+                           {"dropout_p": 0.3, "seed": 0x123456789AB, "offset": 5}, None),
+    "everything_causal_f16": (1, 24, 33, 2, 1, 16, True, "float16", (16, 16, 16, 1),
+                              {"window": (7, -1), "softcap": 3.0, "alibi": (2,), "dropout_p": 0.2, "seed": 7}, None),
+    "varlen_causal_gqa_empty_seqs": (3, 30, 17, 2, 1, 8, True, "float32", (8, 16, 16, 1), {},
+                                     ([0, 7, 7, 30], [0, 12, 17, 17])),
+    "varlen_everything": (3, 30, 17, 2, 1, 8, False, "float64", (8, 16, 16, 1),
+                          {"window": (4, 2), "softcap": 3.0, "alibi": (3, 2), "dropout_p": 0.25, "seed": 2 ** 40 + 3,
+                           "offset": 1}, ([0, 7, 7, 30], [0, 12, 17, 17])),
+}
+# Through cuflash.api's varlen functions with backend="numba" (the backend's own config choice).
+API_VARLEN_CASE = (2, 1, 8, "float32", [0, 5, 9], [0, 3, 9],
+                   {"window": (2, -1), "softcap": 2.5, "dropout_p": 0.2, "seed": 11, "offset": 3})
+
 OUTPUTS = ("o", "lse", "dq", "dk", "dv")
 
 
@@ -71,63 +97,101 @@ def _inputs(seed, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, 
 
 
 def _mask_failures() -> list[str]:
-    """mask.py's block rules against brute force over every small shape (plain Python calls)."""
+    """mask.py's rules against cuflash/_mask.py and brute force over small shapes and windows."""
+    from cuflash import _mask
     from cuflash.proto import mask
 
+    U = mask.UNBOUNDED
     fails = []
-    for causal in (False, True):
+    windows = ((-1, -1), (-1, 0), (0, 0), (3, -1), (-1, 5), (2, 4), (7, 0))
+    for left, right in windows:
+        local = not _mask.is_plain(left, right)
+        wl, wr = (U if left < 0 else left), (U if right < 0 else right)
         for bm, bn in ((16, 16), (16, 8), (8, 16)):
-            for sq in range(0, 40, 3):
-                for sk in range(0, 40, 3):
-                    vis = np.zeros((sq, sk), dtype=bool)
+            for sq in range(0, 34, 5):
+                for sk in range(0, 34, 5):
+                    vis = np.asarray(_mask.visible(np.arange(sq), np.arange(sk), sq, sk, left, right))
                     for i in range(sq):
-                        lim = mask.col_limit(causal, i, sq, sk)
-                        vis[i, :max(lim, 0)] = True
-                        want = min(sk, i + 1 + sk - sq) if causal else sk
-                        if max(lim, 0) != max(want, 0):
-                            fails.append(f"col_limit({causal}, {i}, {sq}, {sk}) = {lim}")
+                        got = [mask.visible(local, wl, wr, sq, sk, i, j) for j in range(sk)]
+                        if got != vis[i].tolist():
+                            fails.append(f"visible({left}, {right}) row {i} of {sq} x {sk}")
                     for m in range(-(-sq // bm)):
-                        rows = vis[m * bm:(m + 1) * bm]
-                        nb = mask.n_block_max(causal, bm, bn, m, sq, sk)
-                        cols = np.nonzero(rows.any(axis=0))[0]
-                        want = -(-(cols.max() + 1) // bn) if cols.size else 0
-                        if max(nb, 0) != want:
-                            fails.append(f"n_block_max({causal}, {bm}, {bn}, {m}, {sq}, {sk}) = {nb} != {want}")
+                        lo, hi = mask.n_block_range(local, wl, wr, sq, sk, bm, bn, m)
+                        cols = np.nonzero(vis[m * bm:(m + 1) * bm].any(axis=0))[0]
+                        want = (cols.min() // bn, -(-(cols.max() + 1) // bn)) if cols.size else None
+                        if (want is None and hi > lo) or (want is not None and (lo, hi) != want):
+                            fails.append(f"n_block_range({left}, {right}, {bm}, {bn}, {m}, {sq}, {sk}) = {(lo, hi)}")
                         for n in range(-(-sk // bn)):
-                            full = np.zeros((bm, bn), dtype=bool)
                             blk = vis[m * bm:(m + 1) * bm, n * bn:(n + 1) * bn]
-                            full[:blk.shape[0], :blk.shape[1]] = blk
-                            # Rows past seqlen_q are never stored: only the visible part of the block
-                            # that lies inside seqlen_q matters; a block without mask must be all visible.
-                            needs = mask.block_needs_mask(causal, bm, bn, m, n, sq, sk)
-                            inside = full[:blk.shape[0]]
-                            if not needs and not inside.all():
-                                fails.append(f"block_needs_mask({causal}, {bm}, {bn}, {m}, {n}, {sq}, {sk}) = False")
+                            # a tile without the mask must be all visible (rows inside seqlen_q) and full
+                            needs = mask.needs_mask(local, wl, wr, sq, sk, bm, bn, m, n)
+                            if not needs and not (blk.all() and blk.shape[1] == bn):
+                                fails.append(f"needs_mask({left}, {right}, {bm}, {bn}, {m}, {n}, {sq}, {sk}) = False")
                     for n in range(-(-sk // bn)):
-                        mmin = mask.m_block_min(causal, bm, bn, n, sq, sk)
-                        seen = np.nonzero(vis[:, n * bn:(n + 1) * bn].any(axis=1))[0]
-                        # Every query block before m_block_min must see nothing of key block n.
-                        if seen.size and seen.min() // bm < mmin:
-                            fails.append(f"m_block_min({causal}, {bm}, {bn}, {n}, {sq}, {sk}) = {mmin} skips rows")
+                        lo, hi = mask.m_block_range(local, wl, wr, sq, sk, bm, bn, n)
+                        rows = np.nonzero(vis[:, n * bn:(n + 1) * bn].any(axis=1))[0]
+                        want = (rows.min() // bm, -(-(rows.max() + 1) // bm)) if rows.size else None
+                        if (want is None and hi > lo) or (want is not None and (lo, hi) != want):
+                            fails.append(f"m_block_range({left}, {right}, {bm}, {bn}, {n}, {sq}, {sk}) = {(lo, hi)}")
     return fails
+
+
+def _dropout_failures() -> list[str]:
+    """proto/dropout.py's keep (per score) and keep_tile (per 16 x 16 tile) against cuflash.dropout_mask."""
+    import cuflash
+    from cuflash import _philox
+    from cuflash.proto import dropout
+
+    fails = []
+    for p, seed, offset in ((0.3, 0x123456789ABCDEF0, 7), (0.5, 1, 0), (0.01, 2 ** 64 - 1, 2 ** 32 - 1)):
+        want = cuflash.dropout_mask(2, 3, 32, 48, dropout_p=p, seed=seed, offset=offset)
+        args = (np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32))
+        thr = np.uint64(_philox.threshold(p))
+        for b, h in ((0, 0), (1, 2)):
+            bh = np.uint64(b * 3 + h)
+            got = np.array([[dropout.keep(*args, bh, np.uint64(offset), thr, r, c) for c in range(48)]
+                            for r in range(32)])
+            tile = np.zeros((32, 48), dtype=bool)
+            dropout.keep_tile(*args, bh, np.uint64(offset), thr, tile, 0, 0)
+            for name, x in (("keep", got), ("keep_tile", tile)):
+                if not np.array_equal(x, want[b, h]):
+                    fails.append(f"dropout.{name} p={p} seed={seed} offset={offset} (b, h) = {(b, h)}")
+    return fails
+
+
+def _variant_inputs(seed, case):
+    """q, k, v, do and the backends' variant keyword arguments (ALiBi slopes drawn) of a VARIANT_CASES entry."""
+    b, sq, sk, h, hk, d, causal, dt, _, variants, varlen = VARIANT_CASES[case] if isinstance(case, str) else case
+    if varlen is not None:
+        q, k, v, do = (x[0] for x in _inputs(seed, 1, sq, sk, h, hk, d, dt))
+    else:
+        q, k, v, do = _inputs(seed, b, sq, sk, h, hk, d, dt)
+    kw = dict(variants)
+    if "alibi" in kw:
+        rng = np.random.default_rng(seed + 1000)
+        acc = np.float64 if dt == "float64" else np.float32
+        kw["alibi_slopes"] = rng.uniform(0.05, 0.8, kw.pop("alibi")).astype(acc)
+    return q, k, v, do, kw
 
 
 def _sim_worker(out_path: str) -> None:
     import dataclasses
 
+    from cuflash import _params
     from cuflash.backends import numba as nb
-    from cuflash.config import KernelConfig
+    from cuflash.config import LOCAL, KernelConfig
 
     assert nb._simulator(), "NUMBA_ENABLE_CUDASIM=1 must be set before numba is imported"
     arrays, failures, timings = {}, {}, {}
     failures["mask"] = "\n".join(_mask_failures())
+    failures["dropout"] = "\n".join(_dropout_failures())
     for seed, (name, case) in enumerate(SIM_CASES.items()):
         b, sq, sk, h, hk, d, causal, dt, (cd, bm, bn, warps), bwd, layout = case
         t0 = time.perf_counter()
         try:
             q, k, v, do = _inputs(seed, b, sq, sk, h, hk, d, dt, layout)
             scale = 1.0 / math.sqrt(d)
-            cfg = KernelConfig("flash_fwd", dt, cd, bm, bn, warps, causal)
+            cfg = KernelConfig("flash_fwd", dt, cd, bm, bn, warps, LOCAL if causal else 0)
             o, lse = nb._forward(q, k, v, causal=causal, softmax_scale=scale, cfg=cfg)
             res = {"q": q, "k": k, "v": v, "do": do, "o": o, "lse": lse}
             if bwd:
@@ -142,6 +206,50 @@ def _sim_worker(out_path: str) -> None:
         except Exception:
             failures[name] = traceback.format_exc()
         timings[name] = time.perf_counter() - t0
+
+    for seed, (name, case) in enumerate(VARIANT_CASES.items(), start=100):
+        b, sq, sk, h, hk, d, causal, dt, (cd, bm, bn, warps), _, varlen = case
+        t0 = time.perf_counter()
+        try:
+            q, k, v, do, kw = _variant_inputs(seed, name)
+            scale = 1.0 / math.sqrt(d)
+            packed = None
+            if varlen is not None:
+                cu_q, cu_k = (np.array(c, dtype=np.int32) for c in varlen)
+                packed = (cu_q, cu_k, int(np.diff(cu_q).max()), int(np.diff(cu_k).max()))
+                q, k, v, do = (x[None] for x in (q, k, v, do))
+            cfg = KernelConfig("flash_fwd", dt, cd, bm, bn, warps, _params.variant(causal, packed, **kw))
+            cfgs = tuple(dataclasses.replace(cfg, kernel=kn) for kn in
+                         ("flash_bwd_preprocess", "flash_bwd_dkdv", "flash_bwd_dq"))
+            o, lse = nb._forward(q, k, v, causal=causal, softmax_scale=scale, cfg=cfg, varlen=packed, **kw)
+            dq, dk, dv = nb._backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale, cfgs=cfgs,
+                                      varlen=packed, **kw)
+            res = {"o": o, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+            if varlen is not None:
+                res = {key: x[0] for key, x in res.items()}
+            for key, x in res.items():
+                arrays[f"{name}/{key}"] = x
+            failures[name] = ""
+        except Exception:
+            failures[name] = traceback.format_exc()
+        timings[name] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    try:
+        import cuflash.api as api
+
+        h, hk, d, dt, cu_q, cu_k, kw = API_VARLEN_CASE
+        cu_q, cu_k = np.array(cu_q, dtype=np.int32), np.array(cu_k, dtype=np.int32)
+        q, k, v, do = (x[0] for x in _inputs(98, 1, int(cu_q[-1]), int(cu_k[-1]), h, hk, d, dt))
+        mq, mk = int(np.diff(cu_q).max()), int(np.diff(cu_k).max())
+        o, lse = api.flash_attn_varlen_forward(q, k, v, cu_q, cu_k, mq, mk, backend="numba", **kw)
+        grads = api.flash_attn_varlen_backward(do, q, k, v, o, lse, cu_q, cu_k, mq, mk, backend="numba", **kw)
+        for key, x in zip(OUTPUTS, (o, lse, *grads)):
+            arrays[f"api_varlen/{key}"] = x
+        failures["api_varlen"] = ""
+    except Exception:
+        failures["api_varlen"] = traceback.format_exc()
+    timings["api_varlen"] = time.perf_counter() - t0
 
     # Through the public API, with the backend's own config choice.
     t0 = time.perf_counter()
@@ -270,6 +378,84 @@ def test_sim_api(sim):
     assert reference.max_abs_error(r["lse"], ref_lse) <= 2e-6
     for x, ref in zip((r["dq"], r["dk"], r["dv"]), grads):
         assert reference.max_abs_error(x, ref) <= 1e-5
+
+
+def test_dropout_keep_flags(sim):
+    """proto/dropout.py draws the keep mask of cuflash.dropout_mask bit for bit."""
+    failure = str(sim["dropout/failure"])
+    assert not failure, failure
+
+
+def _numpy_backend(case, seed):
+    """The NumPy backend's (o, lse, dq, dk, dv) for a VARIANT_CASES entry (or an API case tuple)."""
+    from cuflash.backends import numpy as npb
+
+    b, sq, sk, h, hk, d, causal, dt, _, _, varlen = case
+    q, k, v, do, kw = _variant_inputs(seed, case)
+    scale = 1.0 / math.sqrt(d)
+    if varlen is not None:
+        cu_q, cu_k = (np.array(c, dtype=np.int32) for c in varlen)
+        o, lse = npb.varlen_forward(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=scale, **kw)
+        grads = npb.varlen_backward(do, q, k, v, o, lse, cu_q, cu_k, causal=causal, softmax_scale=scale, **kw)
+    else:
+        o, lse = npb.forward(q, k, v, causal=causal, softmax_scale=scale, **kw)
+        grads = npb.backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale, **kw)
+    return dict(zip(OUTPUTS, (o, lse, *grads)))
+
+
+def _compare_with_numpy(sim, name, want, dt):
+    tol = {"float64": (1e-12, 1e-11), "float32": (2e-6, 1e-5), "float16": (2e-3, 5e-3)}[dt]
+    for key in OUTPUTS:
+        got = sim.get(f"{name}/{key}")
+        assert got is not None, f"{name}: no {key}"
+        assert got.shape == want[key].shape and got.dtype == want[key].dtype, key
+        x, y = got.astype(np.float64), want[key].astype(np.float64)
+        # the same rows see no key (LSE = -inf) and nothing else is not finite
+        assert np.array_equal(np.isfinite(x), np.isfinite(y)), f"{name} {key}: not finite in other places"
+        assert np.array_equal(x[~np.isfinite(y)], y[~np.isfinite(y)]), f"{name} {key}"
+        fin = np.isfinite(y)
+        err = float(np.max(np.abs(np.where(fin, x, 0) - np.where(fin, y, 0)))) if x.size else 0.0
+        bound = tol[0] if key in ("o", "lse") else tol[1]
+        if dt == "float16":  # one rounding of the stored value: relative to its size
+            bound *= max(1.0, float(np.max(np.abs(np.where(np.isfinite(y), y, 0)))) if y.size else 1.0)
+        assert err <= bound, f"{name} {key}: numba vs numpy max abs difference {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("name", list(VARIANT_CASES))
+def test_sim_variant_vs_numpy_backend(sim, name):
+    """Window, softcap, ALiBi, dropout, GQA, seqlen_q != seqlen_k and varlen (with empty sequences):
+    the prototypes give the NumPy backend's outputs, forward and backward."""
+    failure = str(sim[f"{name}/failure"])
+    assert not failure, failure
+    seed = 100 + list(VARIANT_CASES).index(name)
+    case = VARIANT_CASES[name]
+    _compare_with_numpy(sim, name, _numpy_backend(case, seed), case[7])
+
+
+def test_sim_variant_dropout_changes_output(sim):
+    """Dropout is applied at all: the dropout case differs from its undropped run by far more than rounding."""
+    name = "dropout_gqa_batch2"
+    seed = 100 + list(VARIANT_CASES).index(name)
+    b, sq, sk, h, hk, d, causal, dt, tile, variants, varlen = VARIANT_CASES[name]
+    plain = _numpy_backend((b, sq, sk, h, hk, d, causal, dt, tile, {}, varlen), seed)
+    assert np.max(np.abs(sim[f"{name}/o"] - plain["o"])) > 1e-2
+    # the LSE is that of the undropped P
+    assert np.max(np.abs(sim[f"{name}/lse"] - plain["lse"])) <= 2e-6
+
+
+def test_sim_api_varlen_variants(sim):
+    """cuflash.api's varlen functions route every variant to backend="numba"."""
+    failure = str(sim["api_varlen/failure"])
+    assert not failure, failure
+    h, hk, d, dt, cu_q, cu_k, kw = API_VARLEN_CASE
+    q, k, v, do = (x[0] for x in _inputs(98, 1, cu_q[-1], cu_k[-1], h, hk, d, dt))
+    from cuflash.backends import numpy as npb
+
+    scale = 1.0 / math.sqrt(d)
+    cq, ck = np.array(cu_q, dtype=np.int32), np.array(cu_k, dtype=np.int32)
+    o, lse = npb.varlen_forward(q, k, v, cq, ck, softmax_scale=scale, **kw)
+    grads = npb.varlen_backward(do, q, k, v, o, lse, cq, ck, softmax_scale=scale, **kw)
+    _compare_with_numpy(sim, "api_varlen", dict(zip(OUTPUTS, (o, lse, *grads))), dt)
 
 
 def test_sim_runtime_report(sim):

@@ -9,6 +9,11 @@ load and back on store). bfloat16 arrays (ml_dtypes.bfloat16, which Numba cannot
 converted to float32 before the launch and the results rounded back to bfloat16 after it; the
 kernel's arithmetic is the same (bf16 -> fp32 is exact), only its loads are wider.
 
+Variants: forward / backward take the CUDA backend's keywords (window, softcap, alibi_slopes,
+dropout_p, seed, offset) and varlen_forward / varlen_backward its packed arrays; the values become the
+prototypes' arguments as cuflash/_params.py fills FwdParams (-1 window bounds as UNBOUNDED), and
+cfg.variant (the kVariant bits) selects what the kernels apply.
+
 Config: cuflash.config.choose_forward / choose_backward, with the tiles shrunk where needed so that
 a prototype's static shared memory fits in 48 KiB (Numba has no opt-in for more).
 """
@@ -21,6 +26,8 @@ import os
 
 import numpy as np
 
+from .. import _mask, _params, _philox
+from .._params import UNBOUNDED
 from ..config import KernelConfig, choose_backward, choose_forward, dtype_name
 
 STATIC_SMEM_LIMIT = 48 * 1024
@@ -211,60 +218,131 @@ def _finish(given, buf, dtype):
     return given
 
 
-def _forward(q, k, v, *, causal, softmax_scale, cfg=None, out=None, lse=None):
-    """forward() with an optional KernelConfig override (tests use small tiles in the simulator)."""
+def _variant_args(launcher, xp, dt: str, nheads: int, causal: bool, varlen=None, window=_mask.NO_WINDOW,
+                  softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=0, offset=0) -> tuple:
+    """The kernels' variant arguments (proto/flash_fwd.py), FwdParams' variant fields as
+    cuflash/_params.py fills them: cu_seqlens (a 1-element dummy when dense), the window with -1 as
+    UNBOUNDED, softcap, the slopes (flattened, acc_t) and their batch stride, the Philox key words,
+    offset and threshold, and 1 / (1 - dropout_p)."""
+    acc = _acc_dtype(dt)
+    if varlen is not None:
+        cu_q, cu_k = (launcher.inp(c) for c in varlen[:2])
+    else:
+        cu_q = cu_k = xp.zeros(1, dtype=np.int32)
+    left, right = (UNBOUNDED if w < 0 else int(w) for w in _mask.effective_window(causal, window))
+    if alibi_slopes is not None:
+        slopes = xp.ascontiguousarray(alibi_slopes, dtype=acc).reshape(-1)
+        slope_stride = nheads if alibi_slopes.ndim == 2 else 0
+    else:
+        slopes, slope_stride = xp.zeros(1, dtype=acc), 0
+    seed = int(seed)
+    return (cu_q, cu_k, left, right, acc(softcap or 0.0), slopes, slope_stride,
+            np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32), np.uint64(int(offset) & 0xFFFFFFFF),
+            np.uint64(_philox.threshold(dropout_p or 0.0)), acc(1.0 / (1.0 - float(dropout_p or 0.0))))
+
+
+def _grid_sizes(q, k, varlen):
+    """(batch, seqlen_q, seqlen_k) that size the grids: the arrays' extents, or with varlen the number
+    of sequences and the longest lengths."""
+    if varlen is None:
+        return q.shape[0], q.shape[1], k.shape[1]
+    cu_q, _, max_q, max_k = varlen
+    return int(cu_q.shape[0]) - 1, int(max_q), int(max_k)
+
+
+def _forward(q, k, v, *, causal, softmax_scale, cfg=None, out=None, lse=None, varlen=None, **variants):
+    """forward() with an optional KernelConfig override (tests use small tiles in the simulator).
+    varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) with q, k, v (and out) the packed
+    arrays as (1, total, heads, head_dim) views and lse (1, heads, total_q)."""
     from ..proto.flash_fwd import make_flash_fwd
 
     xp = _xp(q)
     dt = dtype_name(q.dtype)
-    batch, seqlen_q, nheads, head_dim = q.shape
-    cfg = fit(choose_forward(dt, head_dim, causal)) if cfg is None else cfg
+    _, seqlen_q, nheads, head_dim = q.shape
+    batch, grid_sq, _ = _grid_sizes(q, k, varlen)
+    if cfg is None:
+        cfg = fit(choose_forward(dt, head_dim, _params.variant(causal, varlen, **variants)))
     launcher = _Launcher()
     o = _result(out, q.shape, np.float32 if dt == "bfloat16" else q.dtype, xp, launcher.sim)
-    lse_buf = _result(lse, (batch, nheads, seqlen_q), _acc_dtype(dt), xp, launcher.sim)
+    lse_buf = _result(lse, (q.shape[0], nheads, seqlen_q), _acc_dtype(dt), xp, launcher.sim)
     scale, scale_log2 = _scales(dt, softmax_scale)
-    grid = (_ceil_div(seqlen_q, cfg.block_m), nheads, batch)
+    grid = (_ceil_div(grid_sq, cfg.block_m), nheads, batch)
     launcher.launch(make_flash_fwd, cfg, grid, launcher.inp(q), launcher.inp(k), launcher.inp(v),
-                    o, lse_buf, scale, scale_log2)
+                    o, lse_buf, scale, scale_log2,
+                    *_variant_args(launcher, xp, dt, nheads, causal, varlen, **variants))
     return _finish(out, o, q.dtype), _finish(lse, lse_buf, lse_buf.dtype)
 
 
-def _backward(do, q, k, v, o, lse, *, causal, softmax_scale, cfgs=None, dq=None, dk=None, dv=None, dsum=None):
-    """backward() with an optional (preprocess, dkdv, dq) KernelConfig override."""
+def _backward(do, q, k, v, o, lse, *, causal, softmax_scale, cfgs=None, dq=None, dk=None, dv=None, dsum=None,
+              varlen=None, **variants):
+    """backward() with an optional (preprocess, dkdv, dq) KernelConfig override; varlen as for _forward."""
     from ..proto.flash_bwd import make_flash_bwd_dkdv, make_flash_bwd_dq, make_flash_bwd_preprocess
 
     xp = _xp(q)
     dt = dtype_name(q.dtype)
-    batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    _, seqlen_q, nheads, head_dim = q.shape
+    nheads_k = k.shape[2]
+    batch, grid_sq, grid_sk = _grid_sizes(q, k, varlen)
     if cfgs is None:
-        cfgs = tuple(fit(c) for c in choose_backward(dt, head_dim, causal))
+        cfgs = tuple(fit(c) for c in choose_backward(dt, head_dim, _params.variant(causal, varlen, **variants)))
     cfg_pre, cfg_dkdv, cfg_dq = cfgs
     launcher = _Launcher()
     work = np.float32 if dt == "bfloat16" else q.dtype
     dq_buf, dk_buf, dv_buf = (_result(given, x.shape, work, xp, launcher.sim)
                               for given, x in ((dq, q), (dk, k), (dv, v)))
     if dsum is None:
-        dsum = xp.empty((batch, nheads, seqlen_q), dtype=_acc_dtype(dt))
+        dsum = xp.empty((q.shape[0], nheads, seqlen_q), dtype=_acc_dtype(dt))
     scale, scale_log2 = _scales(dt, softmax_scale)
+    var = _variant_args(launcher, xp, dt, nheads, causal, varlen, **variants)
     q_, k_, v_, do_, o_, lse_ = (launcher.inp(x) for x in (q, k, v, do, o, lse))
-    launcher.launch(make_flash_bwd_preprocess, cfg_pre, (_ceil_div(seqlen_q, cfg_pre.block_m), nheads, batch),
-                    do_, o_, dsum)
-    launcher.launch(make_flash_bwd_dkdv, cfg_dkdv, (_ceil_div(seqlen_k, cfg_dkdv.block_n), nheads_k, batch),
-                    q_, k_, v_, do_, lse_, dsum, dk_buf, dv_buf, scale, scale_log2)
-    launcher.launch(make_flash_bwd_dq, cfg_dq, (_ceil_div(seqlen_q, cfg_dq.block_m), nheads, batch),
-                    q_, k_, v_, do_, lse_, dsum, dq_buf, scale, scale_log2)
+    launcher.launch(make_flash_bwd_preprocess, cfg_pre, (_ceil_div(grid_sq, cfg_pre.block_m), nheads, batch),
+                    do_, o_, dsum, var[0], var[1])
+    launcher.launch(make_flash_bwd_dkdv, cfg_dkdv, (_ceil_div(grid_sk, cfg_dkdv.block_n), nheads_k, batch),
+                    q_, k_, v_, do_, lse_, dsum, dk_buf, dv_buf, scale, scale_log2, *var)
+    launcher.launch(make_flash_bwd_dq, cfg_dq, (_ceil_div(grid_sq, cfg_dq.block_m), nheads, batch),
+                    q_, k_, v_, do_, lse_, dsum, dq_buf, scale, scale_log2, *var)
     return tuple(_finish(given, buf, q.dtype) for given, buf in ((dq, dq_buf), (dk, dk_buf), (dv, dv_buf)))
 
 
-def forward(q, k, v, *, causal, softmax_scale, out=None, lse=None):
-    """(o, lse). out / lse, when given, are written in place (bshd views, any strides)."""
-    return _forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse)
+def forward(q, k, v, *, causal, softmax_scale, out=None, lse=None, varlen=None, **variants):
+    """(o, lse). out / lse, when given, are written in place (bshd views, any strides). variants: the
+    CUDA backend's (window, softcap, alibi_slopes, dropout_p, seed, offset); varlen as for _forward."""
+    return _forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse, varlen=varlen,
+                    **variants)
 
 
 def backward(do, q, k, v, o, lse, *, causal, softmax_scale, deterministic=False, dq=None, dk=None, dv=None,
-             dsum=None):
+             dsum=None, varlen=None, **variants):
     """(dq, dk, dv); deterministic by construction (no atomics), whatever `deterministic` says.
     dsum, when given, is the workspace for D = rowsum(dO * O) (batch, heads, seqlen_q)."""
     return _backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, dq=dq, dk=dk, dv=dv,
-                     dsum=dsum)
+                     dsum=dsum, varlen=varlen, **variants)
+
+
+def _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    return cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k)
+
+
+def _none_or(x, f):
+    return None if x is None else f(x)
+
+
+def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, out=None, lse=None,
+                   **kwargs):
+    """Packed (total, heads, head_dim) q, k, v, o; lse (heads, total_q). The kernels take each
+    sequence's rows from cu_seqlens (int32), as the CUDA backend's do."""
+    varlen = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    o, lse_out = forward(q[None], k[None], v[None], out=_none_or(out, lambda x: x[None]),
+                         lse=_none_or(lse, lambda x: x[None]), varlen=varlen, **kwargs)
+    return o[0], lse_out[0]
+
+
+def varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, dq=None,
+                    dk=None, dv=None, **kwargs):
+    """Gradients of varlen_forward; lse (heads, total_q)."""
+    kwargs.pop("dsum", None)
+    varlen = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    grads = backward(do[None], q[None], k[None], v[None], o[None], lse[None],
+                     dq=_none_or(dq, lambda x: x[None]), dk=_none_or(dk, lambda x: x[None]),
+                     dv=_none_or(dv, lambda x: x[None]), varlen=varlen, **kwargs)
+    return tuple(g[0] for g in grads)

@@ -3,14 +3,23 @@
 Three kernels, launched in this order on one stream, with the same grids as the CUDA ones:
 
     make_flash_bwd_preprocess(cfg): grid (ceil(seqlen_q / block_m), nheads, batch)
-        kernel(do, o, dsum)                       dsum = D = rowsum(dO * O), acc_t, (batch, nheads, seqlen_q)
+        kernel(do, o, dsum, cu_seqlens_q, cu_seqlens_k)   dsum = D = rowsum(dO * O), acc_t, (batch, nheads, seqlen_q)
     make_flash_bwd_dkdv(cfg):       grid (ceil(seqlen_k / block_n), nheads_k, batch)
-        kernel(q, k, v, do, lse, dsum, dk, dv, softmax_scale, scale_log2)
+        kernel(q, k, v, do, lse, dsum, dk, dv, softmax_scale, scale_log2, *variant_args)
     make_flash_bwd_dq(cfg):         grid (ceil(seqlen_q / block_m), nheads, batch)
-        kernel(q, k, v, do, lse, dsum, dq, softmax_scale, scale_log2)
+        kernel(q, k, v, do, lse, dsum, dq, softmax_scale, scale_log2, *variant_args)
 
-block (warps * 32,) for each; softmax_scale and scale_log2 as acc_t scalars (see flash_fwd.py).
-No atomics: dkdv loops over the group's query heads and every query block, dq over every key block,
+block (warps * 32,) for each; softmax_scale and scale_log2 as acc_t scalars and variant_args as for
+the forward (flash_fwd.py); with VARLEN every array is a packed (1, total, ...) view, dsum like lse,
+and the grids are sized by the longest sequences.
+
+Variants as in flash_bwd.cu: the mask gives each kernel's loop range, S passes through score_mod and
+the mask before P is recomputed (exp2's scale log2(e) when they make logits), and a softcap multiplies
+dS by 1 - tanh^2. Dropout regenerates the forward's keep flags (one Philox call per score): dV takes
+the dropped P (a dropped entry is held as -P, as in flash_bwd.cu, and dV reads max(P, 0)), scaled by
+1 / (1 - p) at the store; dL/dP is dP / (1 - p) where kept and 0 where dropped.
+No atomics: dkdv loops over the group's query heads and the query blocks the mask gives, dq over the
+key blocks the mask gives,
 each accumulating in per-thread arrays, so the gradients are deterministic by construction.
 
 As in flash_fwd.py, tiles live in shared memory in acc_t and the MMAs are per-thread FMA loops
@@ -29,10 +38,13 @@ from __future__ import annotations
 import functools
 import math
 
-from numba import cuda
+from numba import cuda, uint64
 
-from .flash_fwd import acc_type, load_tile, thread_layout
-from .mask import block_needs_mask, ceil_div, col_limit, m_block_min, n_block_max
+from ..config import VARLEN
+from .dropout import keep
+from .flash_fwd import acc_type, load_tile, thread_layout, variant_flags
+from .mask import m_block_range, n_block_range, needs_mask, score_mod, visible
+from .seqinfo import batch_index, seq_info
 
 LOG2E = 1.4426950408889634  # log2(e), as in flash_bwd.cu
 
@@ -49,18 +61,20 @@ def smem_bytes(cfg) -> int:
 
 @functools.lru_cache(maxsize=None)
 def make_flash_bwd_preprocess(cfg):
-    # As in flash_bwd.cu, only dtype, block_m and warps: one kernel serves every head_dim.
+    # As in flash_bwd.cu, only dtype, block_m, warps and VARLEN: one kernel serves every head_dim.
     BLOCK_M = cfg.block_m
     NTHREADS = cfg.threads
     ACC = acc_type(cfg.dtype)
+    IS_VARLEN = bool(cfg.variant & VARLEN)
 
     @cuda.jit
-    def flash_bwd_preprocess(do, o, dsum):
+    def flash_bwd_preprocess(do, o, dsum, cu_seqlens_q, cu_seqlens_k):
         # [1] Preprocess: D = rowsum(dO * O)
         m_block = cuda.blockIdx.x
         head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
-        seqlen_q = o.shape[1]
+        q_start, k_start, seqlen_q, seqlen_k = seq_info(IS_VARLEN, cu_seqlens_q, cu_seqlens_k, batch, o.shape[1], 0)
+        bidx = batch_index(IS_VARLEN, batch)
         head_dim = o.shape[3]
         # CUDA: one warp per row, lanes over head_dim, then warp_allreduce_sum; here one thread per row.
         for r in range(cuda.threadIdx.x, BLOCK_M, NTHREADS):
@@ -68,8 +82,8 @@ def make_flash_bwd_preprocess(cfg):
             if row < seqlen_q:
                 acc = ACC(0)
                 for c in range(head_dim):
-                    acc += ACC(do[batch, row, head, c]) * ACC(o[batch, row, head, c])
-                dsum[batch, head, row] = acc
+                    acc += ACC(do[bidx, q_start + row, head, c]) * ACC(o[bidx, q_start + row, head, c])
+                dsum[bidx, head, q_start + row] = acc
 
     return flash_bwd_preprocess
 
@@ -84,13 +98,14 @@ def lse_to_log2_offset(lse):
 
 
 @cuda.jit(device=True)
-def load_lse_d(sLse, sD, lse, dsum, batch, head, row_begin, seqlen_q, tid, nthreads):
-    # LSE offsets and D of rows row_begin..; rows past seqlen_q take offset +inf and D = 0.
+def load_lse_d(sLse, sD, lse, dsum, bidx, head, row_begin, q_start, seqlen_q, tid, nthreads):
+    # LSE offsets and D of rows row_begin.. of the sequence (array rows q_start + row_begin..); rows
+    # past seqlen_q take offset +inf and D = 0.
     for i in range(tid, sLse.shape[0], nthreads):
         row = row_begin + i
         if row < seqlen_q:
-            sLse[i] = lse_to_log2_offset(lse[batch, head, row])
-            sD[i] = dsum[batch, head, row]
+            sLse[i] = lse_to_log2_offset(lse[bidx, head, q_start + row])
+            sD[i] = dsum[bidx, head, q_start + row]
         else:
             sLse[i] = math.inf
             sD[i] = 0
@@ -102,27 +117,36 @@ def make_flash_bwd_dkdv(cfg):
     BLOCK_M = cfg.block_m
     BLOCK_N = cfg.block_n
     NTHREADS = cfg.threads
-    IS_CAUSAL = cfg.causal
+    IS_LOCAL, IS_SOFTCAP, IS_ALIBI, IS_DROPOUT, IS_VARLEN, TRANSFORM = variant_flags(cfg)
     ACC = acc_type(cfg.dtype)
     # dK, dV accumulators: a (block_n, head_dim) tile; S/P/dS: elements tid + i * NTHREADS.
     TPR, ROW_STRIDE, RPT, CPT = thread_layout(BLOCK_N, HEAD_DIM, NTHREADS)
     S_EPT = -(-(BLOCK_M * BLOCK_N) // NTHREADS)
+    CAP_EPT = S_EPT if IS_SOFTCAP else 1  # the softcap derivative's tile
 
     @cuda.jit
-    def flash_bwd_dkdv(q, k, v, do, lse, dsum, dk, dv, softmax_scale, scale_log2):
-        # [2] dK/dV block coordinates: n_block, kv head, batch; causal skips query blocks above the diagonal
+    def flash_bwd_dkdv(q, k, v, do, lse, dsum, dk, dv, softmax_scale, scale_log2, cu_seqlens_q, cu_seqlens_k,
+                       window_left, window_right, softcap, alibi_slopes, alibi_batch_stride, seed_lo, seed_hi,
+                       offset, dropout_threshold, dropout_scale):
+        # [2] dK/dV block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
         n_block = cuda.blockIdx.x
         head_k = cuda.blockIdx.y
         batch = cuda.blockIdx.z
         tid = cuda.threadIdx.x
-        seqlen_q = q.shape[1]
+        q_start, k_start, seqlen_q, seqlen_k = seq_info(IS_VARLEN, cu_seqlens_q, cu_seqlens_k, batch,
+                                                        q.shape[1], k.shape[1])
+        key_begin = n_block * BLOCK_N
+        if key_begin >= seqlen_k:
+            return  # varlen: a shorter sequence than the grid's
+        bidx = batch_index(IS_VARLEN, batch)
         nheads = q.shape[2]
         head_dim = q.shape[3]
-        seqlen_k = k.shape[1]
         nheads_k = k.shape[2]
         group = nheads // nheads_k  # GQA: query heads head_k * group .. + group share this kv head
-        m_block_first = m_block_min(IS_CAUSAL, BLOCK_M, BLOCK_N, n_block, seqlen_q, seqlen_k)
-        m_block_end = ceil_div(seqlen_q, BLOCK_M)
+        shift = seqlen_k - seqlen_q
+        m_block_first, m_block_end = m_block_range(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k,
+                                                   BLOCK_M, BLOCK_N, n_block)
+        score_log2 = ACC(LOG2E) if TRANSFORM else scale_log2
         row0 = tid // TPR
         lane = tid % TPR
 
@@ -137,6 +161,7 @@ def make_flash_bwd_dkdv(cfg):
 
         acc_s = cuda.local.array(S_EPT, ACC)
         acc_dp = cuda.local.array(S_EPT, ACC)
+        acc_cap = cuda.local.array(CAP_EPT, ACC)  # d logit / d(scale * S): the softcap's 1 - tanh^2
         acc_dk = cuda.local.array((RPT, CPT), ACC)
         acc_dv = cuda.local.array((RPT, CPT), ACC)
         for i in range(RPT):
@@ -144,37 +169,54 @@ def make_flash_bwd_dkdv(cfg):
                 acc_dk[i, j] = 0
                 acc_dv[i, j] = 0
 
-        key_begin = n_block * BLOCK_N
-        load_tile(sK, k, batch, key_begin, head_k, seqlen_k, head_dim, tid, NTHREADS)
-        load_tile(sV, v, batch, key_begin, head_k, seqlen_k, head_dim, tid, NTHREADS)
+        load_tile(sK, k, bidx, k_start + key_begin, head_k, k_start + seqlen_k, head_dim, tid, NTHREADS)
+        load_tile(sV, v, bidx, k_start + key_begin, head_k, k_start + seqlen_k, head_dim, tid, NTHREADS)
 
         for hq in range(group):
             head = head_k * group + hq
+            slope = alibi_slopes[batch * alibi_batch_stride + head] if IS_ALIBI else ACC(0)
+            bh = uint64(batch * nheads + head)  # dropout: Philox counter word 2
             for m_block in range(m_block_first, m_block_end):
                 row_begin = m_block * BLOCK_M
                 cuda.syncthreads()  # the previous query block is done with sQ, sdO, sdS
                 # [3] Load the Q, dO tiles and LSE, D rows of one query block
-                load_tile(sQ, q, batch, row_begin, head, seqlen_q, head_dim, tid, NTHREADS)
-                load_tile(sdO, do, batch, row_begin, head, seqlen_q, head_dim, tid, NTHREADS)
-                load_lse_d(sLse, sD, lse, dsum, batch, head, row_begin, seqlen_q, tid, NTHREADS)
+                load_tile(sQ, q, bidx, q_start + row_begin, head, q_start + seqlen_q, head_dim, tid, NTHREADS)
+                load_tile(sdO, do, bidx, q_start + row_begin, head, q_start + seqlen_q, head_dim, tid, NTHREADS)
+                load_lse_d(sLse, sD, lse, dsum, bidx, head, row_begin, q_start, seqlen_q, tid, NTHREADS)
                 cuda.syncthreads()
 
-                # [4] Recompute S = Q K^T, mask, P = exp2(S * scale_log2 - LSE * log2(e))
-                needs_mask = block_needs_mask(IS_CAUSAL, BLOCK_M, BLOCK_N, m_block, n_block, seqlen_q, seqlen_k)
+                # [4] Recompute S = Q K^T, score modifiers, mask, P = exp2(S * scale_log2 - LSE * log2(e))
+                masked = needs_mask(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N,
+                                    m_block, n_block)
                 for i in range(S_EPT):
                     e = tid + i * NTHREADS
                     if e < BLOCK_M * BLOCK_N:
                         r = e // BLOCK_N
                         c = e - r * BLOCK_N
+                        row = row_begin + r
+                        col = key_begin + c
                         s = ACC(0)
                         for d in range(HEAD_DIM):  # CUDA: mma.sync
                             s += sQ[r, d] * sK[c, d]
                         acc_s[i] = s
-                        if needs_mask:
-                            if key_begin + c >= col_limit(IS_CAUSAL, row_begin + r, seqlen_q, seqlen_k):
+                        if TRANSFORM:
+                            x, dcap = score_mod(IS_SOFTCAP, IS_ALIBI, softmax_scale, softcap, slope, shift, acc_s[i],
+                                                row, col)
+                            acc_s[i] = x
+                            if IS_SOFTCAP:
+                                acc_cap[i] = dcap
+                        if masked:
+                            if not visible(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, row, col):
                                 acc_s[i] = -math.inf
-                        acc_s[i] = math.exp2(acc_s[i] * scale_log2 - sLse[r])
-                        sP[r, c] = acc_s[i]
+                        acc_s[i] = math.exp2(acc_s[i] * score_log2 - sLse[r])
+                        # a dropped entry is kept as -P: dV reads max(P, 0) (its 1 / (1 - p) applied at the
+                        # store), dS below tells kept from dropped by the sign
+                        if IS_DROPOUT:
+                            if not keep(seed_lo, seed_hi, bh, offset, dropout_threshold, row, col):
+                                acc_s[i] = -acc_s[i]
+                            sP[r, c] = max(acc_s[i], ACC(0))
+                        else:
+                            sP[r, c] = acc_s[i]
                 cuda.syncthreads()
 
                 # [5] dV += P^T dO
@@ -199,11 +241,22 @@ def make_flash_bwd_dkdv(cfg):
                         acc_dp[i] = dp
 
                 # [7] dS = P * (dP - D)
+                # Dropout: dL/dP is dP / (1 - p) where kept and 0 where dropped (there acc_s = -P, so
+                # dS = -P * D = acc_s * D). Softcap: times 1 - tanh^2.
                 for i in range(S_EPT):
                     e = tid + i * NTHREADS
                     if e < BLOCK_M * BLOCK_N:
                         r = e // BLOCK_N
-                        acc_dp[i] = acc_s[i] * (acc_dp[i] - sD[r])
+                        if IS_DROPOUT:
+                            if acc_s[i] >= 0:
+                                ds = acc_s[i] * (acc_dp[i] * dropout_scale - sD[r])
+                            else:
+                                ds = acc_s[i] * sD[r]
+                        else:
+                            ds = acc_s[i] * (acc_dp[i] - sD[r])
+                        if IS_SOFTCAP:
+                            ds *= acc_cap[i]
+                        acc_dp[i] = ds
                 cuda.syncthreads()  # every thread is done reading P ([5]): overwrite it with dS
                 for i in range(S_EPT):
                     e = tid + i * NTHREADS
@@ -223,14 +276,18 @@ def make_flash_bwd_dkdv(cfg):
                         acc_dk[i, j] = a
 
         # [9] Store dK * softmax_scale and dV
+        # (dV times 1 / (1 - p) with dropout)
         for i in range(RPT):
             row = key_begin + row0 + i * ROW_STRIDE
             if row < seqlen_k:
                 for j in range(CPT):
                     c = lane + j * TPR
                     if c < head_dim:
-                        dk[batch, row, head_k, c] = acc_dk[i, j] * softmax_scale
-                        dv[batch, row, head_k, c] = acc_dv[i, j]
+                        dk[bidx, k_start + row, head_k, c] = acc_dk[i, j] * softmax_scale
+                        if IS_DROPOUT:
+                            dv[bidx, k_start + row, head_k, c] = acc_dv[i, j] * dropout_scale
+                        else:
+                            dv[bidx, k_start + row, head_k, c] = acc_dv[i, j]
 
     return flash_bwd_dkdv
 
@@ -241,26 +298,36 @@ def make_flash_bwd_dq(cfg):
     BLOCK_M = cfg.block_m
     BLOCK_N = cfg.block_n
     NTHREADS = cfg.threads
-    IS_CAUSAL = cfg.causal
+    IS_LOCAL, IS_SOFTCAP, IS_ALIBI, IS_DROPOUT, IS_VARLEN, TRANSFORM = variant_flags(cfg)
     ACC = acc_type(cfg.dtype)
     TPR, ROW_STRIDE, RPT, CPT = thread_layout(BLOCK_M, HEAD_DIM, NTHREADS)
     S_EPT = -(-(BLOCK_M * BLOCK_N) // NTHREADS)
 
     @cuda.jit
-    def flash_bwd_dq(q, k, v, do, lse, dsum, dq, softmax_scale, scale_log2):
-        # [10] dQ block coordinates: m_block, head, batch; causal skips key blocks above the diagonal
+    def flash_bwd_dq(q, k, v, do, lse, dsum, dq, softmax_scale, scale_log2, cu_seqlens_q, cu_seqlens_k,
+                     window_left, window_right, softcap, alibi_slopes, alibi_batch_stride, seed_lo, seed_hi,
+                     offset, dropout_threshold, dropout_scale):
+        # [10] dQ block coordinates: m_block, head, batch; the mask gives the key blocks to visit
         m_block = cuda.blockIdx.x
         head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
         tid = cuda.threadIdx.x
-        seqlen_q = q.shape[1]
+        q_start, k_start, seqlen_q, seqlen_k = seq_info(IS_VARLEN, cu_seqlens_q, cu_seqlens_k, batch,
+                                                        q.shape[1], k.shape[1])
+        row_begin = m_block * BLOCK_M
+        if row_begin >= seqlen_q:
+            return  # varlen: a shorter sequence than the grid's
+        bidx = batch_index(IS_VARLEN, batch)
         nheads = q.shape[2]
         head_dim = q.shape[3]
-        seqlen_k = k.shape[1]
         nheads_k = k.shape[2]
         head_k = head // (nheads // nheads_k)  # GQA
-        n_block_end = n_block_max(IS_CAUSAL, BLOCK_M, BLOCK_N, m_block, seqlen_q, seqlen_k)
-        row_begin = m_block * BLOCK_M
+        shift = seqlen_k - seqlen_q
+        n_block_min, n_block_end = n_block_range(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k,
+                                                 BLOCK_M, BLOCK_N, m_block)
+        slope = alibi_slopes[batch * alibi_batch_stride + head] if IS_ALIBI else ACC(0)
+        score_log2 = ACC(LOG2E) if TRANSFORM else scale_log2
+        bh = uint64(batch * nheads + head)  # dropout: Philox counter word 2
         row0 = tid // TPR
         lane = tid % TPR
 
@@ -280,35 +347,55 @@ def make_flash_bwd_dq(cfg):
                 acc_dq[i, j] = 0
 
         # Q, dO tiles and LSE, D rows of this query block, loaded once.
-        load_tile(sQ, q, batch, row_begin, head, seqlen_q, head_dim, tid, NTHREADS)
-        load_tile(sdO, do, batch, row_begin, head, seqlen_q, head_dim, tid, NTHREADS)
-        load_lse_d(sLse, sD, lse, dsum, batch, head, row_begin, seqlen_q, tid, NTHREADS)
+        load_tile(sQ, q, bidx, q_start + row_begin, head, q_start + seqlen_q, head_dim, tid, NTHREADS)
+        load_tile(sdO, do, bidx, q_start + row_begin, head, q_start + seqlen_q, head_dim, tid, NTHREADS)
+        load_lse_d(sLse, sD, lse, dsum, bidx, head, row_begin, q_start, seqlen_q, tid, NTHREADS)
 
-        for n_block in range(n_block_end):
+        for n_block in range(n_block_min, n_block_end):
             key0 = n_block * BLOCK_N
             cuda.syncthreads()  # the previous key block is done with sK, sV, sdS
-            load_tile(sK, k, batch, key0, head_k, seqlen_k, head_dim, tid, NTHREADS)
-            load_tile(sV, v, batch, key0, head_k, seqlen_k, head_dim, tid, NTHREADS)
+            load_tile(sK, k, bidx, k_start + key0, head_k, k_start + seqlen_k, head_dim, tid, NTHREADS)
+            load_tile(sV, v, bidx, k_start + key0, head_k, k_start + seqlen_k, head_dim, tid, NTHREADS)
             cuda.syncthreads()
 
             # [11] Recompute S, P and dS = P * (dO V^T - D) for one key block
-            needs_mask = block_needs_mask(IS_CAUSAL, BLOCK_M, BLOCK_N, m_block, n_block, seqlen_q, seqlen_k)
+            # Dropout: dL/dP = dO V^T / (1 - p) where kept, 0 where dropped. Score modifiers and mask on
+            # S; dS times the softcap's 1 - tanh^2.
+            masked = needs_mask(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N,
+                                m_block, n_block)
             for i in range(S_EPT):
                 e = tid + i * NTHREADS
                 if e < BLOCK_M * BLOCK_N:
                     r = e // BLOCK_N
                     c = e - r * BLOCK_N
+                    row = row_begin + r
+                    col = key0 + c
                     s = ACC(0)
                     dp = ACC(0)
                     for d in range(HEAD_DIM):  # CUDA: mma.sync (two of them: Q K^T and dO V^T)
                         s += sQ[r, d] * sK[c, d]
                         dp += sdO[r, d] * sV[c, d]
                     acc_s[i] = s
-                    if needs_mask:
-                        if key0 + c >= col_limit(IS_CAUSAL, row_begin + r, seqlen_q, seqlen_k):
+                    acc_dp[i] = dp
+                    if IS_DROPOUT:
+                        if keep(seed_lo, seed_hi, bh, offset, dropout_threshold, row, col):
+                            acc_dp[i] = dp * dropout_scale
+                        else:
+                            acc_dp[i] = 0
+                    dcap = ACC(1)
+                    if TRANSFORM:
+                        x, dc = score_mod(IS_SOFTCAP, IS_ALIBI, softmax_scale, softcap, slope, shift, acc_s[i],
+                                          row, col)
+                        acc_s[i] = x
+                        dcap = dc
+                    if masked:
+                        if not visible(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, row, col):
                             acc_s[i] = -math.inf
-                    acc_s[i] = math.exp2(acc_s[i] * scale_log2 - sLse[r])
-                    acc_dp[i] = acc_s[i] * (dp - sD[r])
+                    acc_s[i] = math.exp2(acc_s[i] * score_log2 - sLse[r])
+                    if IS_SOFTCAP:
+                        acc_dp[i] = acc_s[i] * (acc_dp[i] - sD[r]) * dcap  # now dS
+                    else:
+                        acc_dp[i] = acc_s[i] * (acc_dp[i] - sD[r])
                     sdS[r, c] = acc_dp[i]
             cuda.syncthreads()
 
@@ -329,6 +416,6 @@ def make_flash_bwd_dq(cfg):
                 for j in range(CPT):
                     c = lane + j * TPR
                     if c < head_dim:
-                        dq[batch, row, head, c] = acc_dq[i, j] * softmax_scale
+                        dq[bidx, q_start + row, head, c] = acc_dq[i, j] * softmax_scale
 
     return flash_bwd_dq

@@ -1,19 +1,31 @@
 """Mirror of kernels_cu/flash_fwd.cu (and flash_fwd_simt.cu): the forward kernel in Numba-CUDA.
 
 `make_flash_fwd(cfg)` turns a KernelConfig into a kernel the way the C++ template does: head_dim,
-block_m, block_n, warps, causal and the accumulator type become closure constants, so shared and
-local array shapes are compile-time constants. Launch it exactly like the CUDA kernel:
+block_m, block_n, warps, the variant bits (cfg.variant: config.LOCAL, SOFTCAP, ALIBI, DROPOUT,
+VARLEN) and the accumulator type become closure constants, so shared and local array shapes are
+compile-time constants and unused variants fold away. Launch it exactly like the CUDA kernel:
 
     grid (ceil(seqlen_q / block_m), nheads, batch), block (warps * 32,)
-    kernel[grid, block](q, k, v, o, lse, softmax_scale, scale_log2)
+    kernel[grid, block](q, k, v, o, lse, softmax_scale, scale_log2, *variant_args)
 
-softmax_scale and scale_log2 should be passed as acc_t scalars (np.float32 / np.float64, as the
-backend does) so that the kernel's arithmetic stays in acc_t; a Python float would promote it.
+variant_args (FwdParams' variant fields, in this order; see cuflash/backends/numba.py):
+    cu_seqlens_q, cu_seqlens_k   int32 (batch + 1,) with VARLEN (else any 1-element int32 array)
+    window_left, window_right    ints, mask.UNBOUNDED for -1 (read with LOCAL)
+    softcap                      acc_t (read with SOFTCAP)
+    alibi_slopes                 acc_t 1-D array, slope of (b, h) at b * alibi_batch_stride + h (ALIBI)
+    alibi_batch_stride           int (0: one row of nheads slopes)
+    seed_lo, seed_hi, offset, dropout_threshold   uint64 (DROPOUT, dropout.py)
+    dropout_scale                acc_t, 1 / (1 - dropout_p)
+softmax_scale, scale_log2 (and the other floats) should be acc_t scalars (np.float32 / np.float64, as
+the backend passes them) so that the kernel's arithmetic stays in acc_t; a Python float would promote it.
 
 q (batch, seqlen_q, nheads, head_dim), k and v (batch, seqlen_k, nheads_k, head_dim), o like q and
-lse (batch, nheads, seqlen_q) in the accumulator type; any strides. The sizes come from the array
-shapes (the CUDA kernel reads them from FwdParams). cfg.head_dim is the compiled head dim: the tiles
-are that wide, zero-filled past the arrays' head_dim, which is never read or written in global memory.
+lse (batch, nheads, seqlen_q) in the accumulator type; any strides. With VARLEN they are the packed
+arrays as (1, total, heads, head_dim) views and lse (1, nheads, total_q), the grid is sized by the
+longest sequence and each block takes its sequence's rows and lengths from seqinfo.py. The dense sizes
+come from the array shapes (the CUDA kernel reads them from FwdParams). cfg.head_dim is the compiled
+head dim: the tiles are that wide, zero-filled past the arrays' head_dim, which is never read or
+written in global memory.
 
 Differences from the CUDA kernel. Work layout: tiles live in shared memory in the accumulator type
 (the conversion on load is exact); each thread owns rows and strided columns of acc_s / acc_o
@@ -24,16 +36,25 @@ float64, but dot products are summed sequentially (an MMA sums in a tree), P is 
 before P V (the tensor-core kernel rounds it), and the online-softmax correction is
 exp2((old_max - new_max) * scale_log2) (see softmax.py for why). float16 arrays are read as they are;
 bfloat16 ones arrive as float32 copies (cuflash/backends/numba.py: Numba has no bfloat16 array type).
+Variants: the rules and their order are flash_fwd.cu's (mask.py, seqinfo.py, dropout.py), but a
+thread does not hold its scores in the mma.sync C layout, so it takes one Philox call per keep flag
+(dropout.py keep, as the SIMT kernels do) and the softcap uses math.tanh, not tanh_fast.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
-from numba import cuda
+from numba import cuda, uint64
 
-from .mask import block_needs_mask, mask_scores, n_block_max
+from ..config import ALIBI, DROPOUT, LOCAL, SOFTCAP, VARLEN
+from .dropout import keep
+from .mask import n_block_range, needs_mask, score_mod, visible
+from .seqinfo import batch_index, seq_info
 from .softmax import softmax_finalize, softmax_init, softmax_update
+
+LOG2E = 1.4426950408889634  # exp2's scale for logits (ScoreMod::score_log2 with a transform)
 
 
 def acc_type(dtype: str):
@@ -82,6 +103,14 @@ def load_tile(s, g, batch, row0, head, seqlen, head_dim, tid, nthreads):
             s[r, c] = 0
 
 
+def variant_flags(cfg):
+    """(local, softcap, alibi, dropout, varlen) of cfg.variant, and transform = softcap or alibi
+    (mask.cuh's kTransform: the scores become natural-unit logits)."""
+    v = cfg.variant
+    local, softcap, alibi = bool(v & LOCAL), bool(v & SOFTCAP), bool(v & ALIBI)
+    return local, softcap, alibi, bool(v & DROPOUT), bool(v & VARLEN), softcap or alibi
+
+
 @functools.lru_cache(maxsize=None)
 def make_flash_fwd(cfg):
     """The forward kernel for one KernelConfig (any dtype: the 16-bit MMA and SIMT kernels alike)."""
@@ -89,26 +118,42 @@ def make_flash_fwd(cfg):
     BLOCK_M = cfg.block_m
     BLOCK_N = cfg.block_n
     NTHREADS = cfg.threads
-    IS_CAUSAL = cfg.causal
+    IS_LOCAL, IS_SOFTCAP, IS_ALIBI, IS_DROPOUT, IS_VARLEN, TRANSFORM = variant_flags(cfg)
     ACC = acc_type(cfg.dtype)
     TPR, ROW_STRIDE, RPT, S_CPT = thread_layout(BLOCK_M, BLOCK_N, NTHREADS)
     O_CPT = thread_layout(BLOCK_M, HEAD_DIM, NTHREADS)[3]
 
     @cuda.jit
-    def flash_fwd(q, k, v, o, lse, softmax_scale, scale_log2):
-        # [1] Block coordinates: m_block, head, batch; causal skips key blocks above the diagonal
+    def flash_fwd(q, k, v, o, lse, softmax_scale, scale_log2, cu_seqlens_q, cu_seqlens_k, window_left,
+                  window_right, softcap, alibi_slopes, alibi_batch_stride, seed_lo, seed_hi, offset,
+                  dropout_threshold, dropout_scale):
+        # [1] Block coordinates: m_block, head, batch; the mask gives the key blocks to visit
         m_block = cuda.blockIdx.x
         head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
         tid = cuda.threadIdx.x
-        seqlen_q = q.shape[1]
+        q_start, k_start, seqlen_q, seqlen_k = seq_info(IS_VARLEN, cu_seqlens_q, cu_seqlens_k, batch,
+                                                        q.shape[1], k.shape[1])
+        row_begin = m_block * BLOCK_M
+        if row_begin >= seqlen_q:
+            return  # varlen: a shorter sequence than the grid's
+        bidx = batch_index(IS_VARLEN, batch)
         nheads = q.shape[2]
         head_dim = q.shape[3]
-        seqlen_k = k.shape[1]
         nheads_k = k.shape[2]
         head_k = head // (nheads // nheads_k)  # GQA
-        n_block_end = n_block_max(IS_CAUSAL, BLOCK_M, BLOCK_N, m_block, seqlen_q, seqlen_k)
-        row_begin = m_block * BLOCK_M
+        shift = seqlen_k - seqlen_q
+        n_block_min, n_block_end = n_block_range(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k,
+                                                 BLOCK_M, BLOCK_N, m_block)
+        # ScoreMod: the slope of this (batch, head); exp2's scale and the LSE's factor on the row max
+        slope = alibi_slopes[batch * alibi_batch_stride + head] if IS_ALIBI else ACC(0)
+        if TRANSFORM:
+            score_log2 = ACC(LOG2E)
+            lse_scale = ACC(1)
+        else:
+            score_log2 = scale_log2
+            lse_scale = softmax_scale
+        bh = uint64(batch * nheads + head)  # dropout: Philox counter word 2
 
         # Thread tid owns rows row0 + i * ROW_STRIDE and columns lane + j * TPR (thread_layout).
         row0 = tid // TPR
@@ -132,15 +177,16 @@ def make_flash_fwd(cfg):
         softmax_init(row_max, row_sum)
 
         # [2] Load the Q tile
-        load_tile(sQ, q, batch, row_begin, head, seqlen_q, head_dim, tid, NTHREADS)
+        # rows q_start + row_begin.. of the (packed) array; the sequence ends at row q_start + seqlen_q
+        load_tile(sQ, q, bidx, q_start + row_begin, head, q_start + seqlen_q, head_dim, tid, NTHREADS)
 
         # Key blocks in decreasing order, as in the CUDA kernel: the blocks that need masking (tail,
-        # diagonal) come first.
-        for n_block in range(n_block_end - 1, -1, -1):
+        # diagonal, window edge) come first.
+        for n_block in range(n_block_end - 1, n_block_min - 1, -1):
             key0 = n_block * BLOCK_N
             cuda.syncthreads()  # the previous block is done with sK, sV, sP (and sQ is visible)
-            load_tile(sK, k, batch, key0, head_k, seqlen_k, head_dim, tid, NTHREADS)
-            load_tile(sV, v, batch, key0, head_k, seqlen_k, head_dim, tid, NTHREADS)
+            load_tile(sK, k, bidx, k_start + key0, head_k, k_start + seqlen_k, head_dim, tid, NTHREADS)
+            load_tile(sV, v, bidx, k_start + key0, head_k, k_start + seqlen_k, head_dim, tid, NTHREADS)
             cuda.syncthreads()
 
             # [3] S = Q K^T
@@ -153,19 +199,39 @@ def make_flash_fwd(cfg):
                         s += sQ[r, d] * sK[c, d]
                     acc_s[i, j] = s
 
-            # [4] Mask the sequence tail and the causal diagonal
-            # acc_s[i, j]: query row row_begin + row0 + i * ROW_STRIDE, key key0 + lane + j * TPR
-            if block_needs_mask(IS_CAUSAL, BLOCK_M, BLOCK_N, m_block, n_block, seqlen_q, seqlen_k):
-                mask_scores(IS_CAUSAL, acc_s, row_begin + row0, ROW_STRIDE, key0 + lane, TPR, seqlen_q, seqlen_k)
+            # [4] Score modifiers (softcap, ALiBi); mask the sequence tail, the causal diagonal and the window
+            # acc_s[i, j]: query row row_begin + row0 + i * ROW_STRIDE, key key0 + lane + j * TPR (in the sequence)
+            if TRANSFORM:
+                for i in range(RPT):
+                    row = row_begin + row0 + i * ROW_STRIDE
+                    for j in range(S_CPT):
+                        x, dcap = score_mod(IS_SOFTCAP, IS_ALIBI, softmax_scale, softcap, slope, shift, acc_s[i, j],
+                                            row, key0 + lane + j * TPR)
+                        acc_s[i, j] = x
+            if needs_mask(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, m_block, n_block):
+                for i in range(RPT):
+                    row = row_begin + row0 + i * ROW_STRIDE
+                    for j in range(S_CPT):
+                        if not visible(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, row,
+                                       key0 + lane + j * TPR):
+                            acc_s[i, j] = -math.inf
 
             # [5] Online softmax: update row_max, rescale acc_o and row_sum, P = exp2(S * scale_log2 - row_max * scale_log2)
-            softmax_update(acc_s, acc_o, row_max, row_sum, tile_max, sRed, row0, ROW_STRIDE, lane, TPR, scale_log2)
+            softmax_update(acc_s, acc_o, row_max, row_sum, tile_max, sRed, row0, ROW_STRIDE, lane, TPR, score_log2)
+
+            # [6] O += dropout(P) V
+            # Dropped entries are 0 in P V only: row_sum, and so the LSE, keep them. O is scaled by
+            # 1 / (1 - dropout_p) at the store.
+            if IS_DROPOUT:
+                for i in range(RPT):
+                    row = row_begin + row0 + i * ROW_STRIDE
+                    for j in range(S_CPT):
+                        if not keep(seed_lo, seed_hi, bh, offset, dropout_threshold, row, key0 + lane + j * TPR):
+                            acc_s[i, j] = 0
             for i in range(RPT):
                 for j in range(S_CPT):
                     sP[row0 + i * ROW_STRIDE, lane + j * TPR] = acc_s[i, j]
             cuda.syncthreads()
-
-            # [6] O += P V
             for i in range(RPT):
                 r = row0 + i * ROW_STRIDE
                 for j in range(O_CPT):
@@ -176,7 +242,8 @@ def make_flash_fwd(cfg):
                     acc_o[i, j] = a
 
         # [7] Finalize: O /= row_sum, LSE = row_max * softmax_scale + log(row_sum); rows that saw no key give O = 0, LSE = -inf
-        softmax_finalize(acc_o, row_max, row_sum, lse_rows, sRed, row0, ROW_STRIDE, lane, TPR, softmax_scale)
+        # (softmax_scale here is lse_scale: 1 when the scores are logits already)
+        softmax_finalize(acc_o, row_max, row_sum, lse_rows, sRed, row0, ROW_STRIDE, lane, TPR, lse_scale)
 
         # [8] Store O and LSE
         for i in range(RPT):
@@ -185,8 +252,11 @@ def make_flash_fwd(cfg):
                 for j in range(O_CPT):
                     c = lane + j * TPR
                     if c < head_dim:
-                        o[batch, row, head, c] = acc_o[i, j]
+                        if IS_DROPOUT:
+                            o[bidx, q_start + row, head, c] = acc_o[i, j] * dropout_scale
+                        else:
+                            o[bidx, q_start + row, head, c] = acc_o[i, j]
                 if lane == 0:
-                    lse[batch, head, row] = lse_rows[i]
+                    lse[bidx, head, q_start + row] = lse_rows[i]
 
     return flash_fwd

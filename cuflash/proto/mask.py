@@ -1,18 +1,25 @@
-"""Mirror of kernels_cu/mask.cuh: which (query row, key column) pairs take part.
+"""Mirror of kernels_cu/mask.cuh: which (query row, key column) pairs take part, and what becomes of a score.
 
-One rule, the same as every kernel's: a key column is visible when it is inside seqlen_k and, if
-causal, when col <= row + seqlen_k - seqlen_q (the diagonal aligned bottom-right). The C++ template
-arguments (kIsCausal, kBlockM, kBlockN) become the leading arguments here; the kernels pass their
-closure constants, so the branches fold the same way after compilation.
+Query row i sits at key position i' = i + shift, shift = seqlen_k - seqlen_q (the diagonal aligned
+bottom-right). With is_local (config.LOCAL: causal and / or a window) row i sees keys i' - left ..
+i' + right; an unbounded side is UNBOUNDED (1 << 30, what cuflash/_params.py writes for -1), causal
+is right = 0. Without is_local every key below seqlen_k is visible.
 
-mask.cuh's mask_scores works on mma.sync fragments; mask_scores here works on the prototypes'
-(rows, strided columns) layout. The backward prototypes test col_limit per element instead of
-mask.cuh's mask_scores_t (they compute S, not S^T).
+mask.cuh's struct Mask holds (params, seqlen_q, seqlen_k); here its values are the leading arguments
+of each rule: (is_local, left, right, seqlen_q, seqlen_k, ...). The kernels pass is_local as a closure
+constant, so the branches fold after compilation as the C++ template's do. ScoreMod becomes
+score_mod, with its template bits (is_softcap, is_alibi) and values (scale, softcap, slope, shift)
+leading likewise.
+
+mask.cuh's fragment walks (mma.cuh for_each_score / for_each_score_t) have no counterpart: the
+prototypes test `visible` per element of their own (rows, strided columns) layout.
 """
 
 import math
 
 from numba import cuda
+
+UNBOUNDED = 1 << 30  # kUnbounded of mask.cuh: a window bound of -1
 
 
 @cuda.jit(device=True)
@@ -22,53 +29,79 @@ def ceil_div(a, b):
 
 
 @cuda.jit(device=True)
-def col_limit(is_causal, row, seqlen_q, seqlen_k):
-    # Largest visible key column + 1 for a query row (may be <= 0: the row sees no key).
-    # [1] col_limit: seqlen_k, or if causal min(seqlen_k, row + 1 + seqlen_k - seqlen_q)
-    if is_causal:
-        return min(seqlen_k, row + 1 + seqlen_k - seqlen_q)
+def col_lo(is_local, left, right, seqlen_q, seqlen_k, row):
+    # [1] Keys a row sees: [col_lo(row), col_hi(row)), inside the sequence and the window
+    if is_local:
+        return max(0, row + seqlen_k - seqlen_q - left)
+    return 0
+
+
+@cuda.jit(device=True)
+def col_hi(is_local, left, right, seqlen_q, seqlen_k, row):
+    # (step [1]) the end of the row's keys; <= col_lo: the row sees no key
+    if is_local:
+        return min(seqlen_k, row + seqlen_k - seqlen_q + right + 1)
     return seqlen_k
 
 
 @cuda.jit(device=True)
-def n_block_max(is_causal, block_m, block_n, m_block, seqlen_q, seqlen_k):
-    # Number of key blocks query block m_block must visit; causal skips the blocks wholly above the
-    # diagonal. <= 0 when every row of the block sees no key.
-    # [2] Key blocks to visit: ceil_div(max(col_limit of the block's last row, 0), block_n)
-    limit = col_limit(is_causal, min((m_block + 1) * block_m, seqlen_q) - 1, seqlen_q, seqlen_k)
-    return ceil_div(max(limit, 0), block_n)
+def visible(is_local, left, right, seqlen_q, seqlen_k, row, col):
+    return (col >= col_lo(is_local, left, right, seqlen_q, seqlen_k, row)
+            and col < col_hi(is_local, left, right, seqlen_q, seqlen_k, row))
 
 
 @cuda.jit(device=True)
-def m_block_min(is_causal, block_m, block_n, n_block, seqlen_q, seqlen_k):
-    # First query block that sees any column of key block n_block (dK/dV skips the earlier ones).
-    # [3] First query block to visit: 0, or if causal max(n_block * block_n - (seqlen_k - seqlen_q), 0) / block_m
-    if not is_causal:
-        return 0
-    first_row = max(n_block * block_n - (seqlen_k - seqlen_q), 0)
-    return first_row // block_m
+def n_block_range(is_local, left, right, seqlen_q, seqlen_k, block_m, block_n, m_block):
+    # [2] Key blocks a query block visits: [lo, hi), those some row of the block sees (lo >= hi: none)
+    row0 = m_block * block_m
+    row1 = min(row0 + block_m, seqlen_q)
+    c0 = col_lo(is_local, left, right, seqlen_q, seqlen_k, row0)
+    c1 = col_hi(is_local, left, right, seqlen_q, seqlen_k, row1 - 1)
+    lo = c0 // block_n
+    hi = ceil_div(c1, block_n) if c1 > c0 else lo
+    return lo, hi
 
 
 @cuda.jit(device=True)
-def block_needs_mask(is_causal, block_m, block_n, m_block, n_block, seqlen_q, seqlen_k):
-    # Does key block n_block need per-element masking for query block m_block? (tail or diagonal)
-    # [4] Mask a tile that crosses seqlen_k or, if causal, whose last column its first row cannot see
-    if (n_block + 1) * block_n > seqlen_k:
+def m_block_range(is_local, left, right, seqlen_q, seqlen_k, block_m, block_n, n_block):
+    # [3] Query blocks that see a key block: [lo, hi) (the dK/dV kernel's loop)
+    shift = seqlen_k - seqlen_q
+    col0 = n_block * block_n
+    col1 = min(col0 + block_n, seqlen_k)
+    r0 = max(0, col0 - right - shift) if is_local else 0
+    r1 = min(seqlen_q, col1 - 1 + left - shift + 1) if is_local else seqlen_q
+    lo = r0 // block_m
+    hi = ceil_div(r1, block_m) if r1 > r0 else lo
+    return lo, hi
+
+
+@cuda.jit(device=True)
+def needs_mask(is_local, left, right, seqlen_q, seqlen_k, block_m, block_n, m_block, n_block):
+    # [4] Does a tile hold a score some row must not see? (it crosses seqlen_k, or a window edge)
+    col0 = n_block * block_n
+    col1 = col0 + block_n
+    if col1 > seqlen_k:
         return True
-    if not is_causal:
+    if not is_local:
         return False
-    # The block's last column must be visible from its first row.
-    return (n_block + 1) * block_n - 1 > m_block * block_m + seqlen_k - seqlen_q
+    shift = seqlen_k - seqlen_q
+    row0 = m_block * block_m
+    row1 = min(row0 + block_m, seqlen_q)
+    return col1 - 1 > row0 + shift + right or col0 < row1 - 1 + shift - left
 
 
 @cuda.jit(device=True)
-def mask_scores(is_causal, acc_s, row0, row_stride, col0, col_stride, seqlen_q, seqlen_k):
-    # Per-element mask on a thread's scores (mask.cuh mask_scores, for the prototypes' layout):
-    # acc_s[i, j] is query row row0 + i * row_stride, key column col0 + j * col_stride (global
-    # indices). Hidden scores become -inf.
-    # [5] Scores at or past their row's col_limit become -inf
-    for i in range(acc_s.shape[0]):
-        limit = col_limit(is_causal, row0 + i * row_stride, seqlen_q, seqlen_k)
-        for j in range(acc_s.shape[1]):
-            if col0 + j * col_stride >= limit:
-                acc_s[i, j] = -math.inf
+def score_mod(is_softcap, is_alibi, scale, softcap, slope, shift, s, row, col):
+    # [5] Score modifiers: q.k -> softcap * tanh(scale * q.k / softcap) - slope * |i' - j|.
+    # Returns (the logit, dcap = d logit / d(scale * q.k) = 1 - tanh^2, 1 without a softcap). Only
+    # called when is_softcap or is_alibi (mask.cuh's kTransform): the scores stay in q.k units otherwise.
+    # tanh: the library's (ScoreMod<kFast = false>, as the SIMT kernels; the tensor-core ones use tanh_fast).
+    dcap = 1.0
+    x = s * scale
+    if is_softcap:
+        t = math.tanh(x / softcap)
+        x = softcap * t
+        dcap = 1.0 - t * t
+    if is_alibi:
+        x -= slope * abs(row + shift - col)
+    return x, dcap
