@@ -55,7 +55,7 @@ CASES = [
 
 def _lengths(rs, batch, longest):
     """Random lengths for a varlen batch, one of them 0 and one `longest`."""
-    n = [int(x) for x in rs.randint(1, longest + 1, size=batch)]
+    n = [int(x) for x in rs.integers(1, longest + 1, size=batch)]
     n[0], n[-1] = longest, 0
     return n
 

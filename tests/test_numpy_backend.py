@@ -204,36 +204,10 @@ def test_property_float64(b, sq, sk, hk, group, d, causal, block_m, block_n, see
 
 # --- the step comments mirror the kernels' --------------------------------------------------------------
 
-FWD_STEPS = [
-    "Block coordinates: m_block, head, batch; causal skips key blocks above the diagonal",
-    "Load the Q tile",
-    "S = Q K^T",
-    "Mask the sequence tail and the causal diagonal",
-    "Online softmax: update row_max, rescale acc_o and row_sum, P = exp2(S * scale_log2 - row_max * scale_log2)",
-    "O += P V",
-    "Finalize: O /= row_sum, LSE = row_max * softmax_scale + log(row_sum); rows that saw no key give O = 0, "
-    "LSE = -inf",
-    "Store O and LSE",
-]
-BWD_STEPS = [
-    "Preprocess: D = rowsum(dO * O)",
-    "dK/dV block coordinates: n_block, kv head, batch; causal skips query blocks above the diagonal",
-    "Load the Q, dO tiles and LSE, D rows of one query block",
-    "Recompute S = Q K^T, mask, P = exp2(S * scale_log2 - LSE * log2(e))",
-    "dV += P^T dO",
-    "dP = dO V^T",
-    "dS = P * (dP - D)",
-    "dK += dS^T Q",
-    "Store dK * softmax_scale and dV",
-    "dQ block coordinates: m_block, head, batch; causal skips key blocks above the diagonal",
-    "Recompute S, P and dS = P * (dO V^T - D) for one key block",
-    "dQ += dS K",
-    "Store dQ * softmax_scale",
-]
-
-
 def test_step_comments():
+    """Every step of the contract (tests/test_step_lists.py), forward then backward, none skipped."""
+    from test_step_lists import BWD_STEPS, FWD_STEPS
+
     text = pathlib.Path(nb.__file__).read_text()
-    steps = re.findall(r"^\s*# \[(\d+)\] (.*)$", text, flags=re.M)
-    want = [(str(n), t) for n, t in enumerate(FWD_STEPS, 1)] + [(str(n), t) for n, t in enumerate(BWD_STEPS, 1)]
-    assert steps == want
+    steps = [(int(n), t) for n, t in re.findall(r"^\s*# \[(\d+)\] (.*)$", text, flags=re.M)]
+    assert steps == FWD_STEPS + BWD_STEPS
