@@ -213,8 +213,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_simt(const __grid_c
             for (int j = 0; j < kCols; ++j) {
                 A pv = acc_s[i][j];
                 if constexpr (kIsDropout) {
-                    if (!Dropout(p, batch, head).keep(row_begin + ty + i * kThreadsM, n_block * kBlockN + tx + j * kThreadsN))
-                        pv = A(0);
+                    const int row = row_begin + ty + i * kThreadsM, col = n_block * kBlockN + tx + j * kThreadsN;
+                    if (!Dropout(p, batch, head).keep(row, col)) pv = A(0);
                 }
                 p_s[(ty + i * kThreadsM) * kPStride + tx + j * kThreadsN] = pv;
             }
