@@ -26,9 +26,16 @@
 // Accuracy: each gradient sum runs in two levels, a fresh per-tile partial (FMA) folded once per
 // tile into the running sum; for float the fold is Kahan-compensated. S and dP sum head_dim
 // products in partials of 8 (see flash_fwd_simt.cu).
+//
+// Variants (kVariant, mask.cuh) as in flash_bwd.cu: the mask gives each kernel's loop range, S passes
+// through ScoreMod (library tanh) and the mask before P is recomputed, and a softcap multiplies dS by
+// 1 - tanh^2. Dropout regenerates the forward's keep mask (Dropout::keep, one Philox call per score):
+// dV takes the dropped P, and dL/dP is dO V^T on kept entries times 1 / (1 - p), 0 on dropped ones.
 #include "common.cuh"
+#include "dropout.cuh"
 #include "mask.cuh"
 #include "params.cuh"
+#include "seqinfo.cuh"
 #include "simt.cuh"
 
 namespace cuflash {
@@ -55,26 +62,15 @@ __device__ __forceinline__ void load_rows(A* lse_s, A* dsum_s, const A* lse, con
     }
 }
 
-// S (this thread's elements, from dot_tile) -> P: masked entries (tail, causal) become -inf first,
-// then P = exp2(S * scale_log2 - lse_s[row]), which is 0 for them.
-template <bool kIsCausal, int kBlockM, int kBlockN, int kRows, int kCols, int kThreadsM, typename A>
-__device__ __forceinline__ void scores_to_p(A (&acc_s)[kRows][kCols], const A* lse_s, A scale_log2, int m_block,
-                                            int n_block, int seqlen_q, int seqlen_k, int ty, int tx) {
-    if (block_needs_mask<kIsCausal, kBlockM, kBlockN>(m_block, n_block, seqlen_q, seqlen_k)) {
-#pragma unroll
-        for (int i = 0; i < kRows; ++i) {
-            const int limit = col_limit<kIsCausal>(m_block * kBlockM + ty + i * kThreadsM, seqlen_q, seqlen_k);
-#pragma unroll
-            for (int j = 0; j < kCols; ++j)
-                if (n_block * kBlockN + tx + j * 8 >= limit) acc_s[i][j] = neg_inf<A>();
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-        const A lse_log2 = lse_s[ty + i * kThreadsM];
-#pragma unroll
-        for (int j = 0; j < kCols; ++j) acc_s[i][j] = fast_exp2(fma_acc(acc_s[i][j], scale_log2, -lse_log2));
-    }
+// One score s of query row `row`, key `col` (within the sequence) -> P: the score modifiers, then the
+// mask (masked: the tile needs it) turns invisible scores into -inf, then P = exp2(s * scale_log2 -
+// lse_log2), which is 0 for them. dcap receives the softcap's 1 - tanh^2 (1 without one).
+template <typename Mod, typename MaskT, typename A>
+__device__ __forceinline__ A score_to_p(A s, int row, int col, bool masked, const Mod& mod, const MaskT& mask,
+                                        A scale_log2, A lse_log2, A& dcap) {
+    s = mod.apply(s, row, col, dcap);
+    if (masked && !mask.visible(row, col)) s = neg_inf<A>();
+    return fast_exp2(fma_acc(s, scale_log2, -lse_log2));
 }
 
 // acc[i][.] += sum_{r < kM} a_s[r][ty * kRows + i] * b_s[r][head-dim vectors of this thread]
@@ -187,7 +183,7 @@ __device__ __forceinline__ void store_rows(T* g, long long row_stride, const int
 
 // Launch bounds with minBlocks = 1: without it ptxas trims registers to the next occupancy step
 // (128 or 168) even at the price of spills, which the compile gate forbids.
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kVariant>
 __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
     using namespace simt_bwd;
     using A = acc_t<T>;
@@ -208,6 +204,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_simt(const __g
     static_assert(kKRows >= 1 && kBlockN % kThreadsM == 0, "kBlockN must be a multiple of kNWarps * 4");
     static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16");
     static_assert(kHeadDim % (8 * kVec) == 0, "kHeadDim must be a multiple of 32");
+    constexpr bool kIsLocal = (kVariant & kLocal) != 0, kIsDropout = (kVariant & kDropout) != 0;
+    using Mod = ScoreMod<A, kVariant, false>;
 
     extern __shared__ __align__(16) char smem[];
     {
@@ -229,22 +227,29 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_simt(const __g
     const int ty = tid / 8;
     const FwdParams& f = p.fwd;
 
-    // [2] dK/dV block coordinates: n_block, kv head, batch; causal skips query blocks above the diagonal
+    // [2] dK/dV block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
     const int n_block = blockIdx.x;
     const int kv_head = blockIdx.y;
     const int batch = blockIdx.z;
+    const SeqInfo<(kVariant & kVarlen) != 0> seq(f, batch);
+    const int key_begin = n_block * kBlockN;
+    if (key_begin >= seq.seqlen_k) return;  // varlen: a shorter sequence than the grid's
     const int group = f.nheads / f.nheads_k;
-    const int seqlen_q = f.seqlen_q, seqlen_k = f.seqlen_k, head_dim = f.head_dim;
-    const int m_block_begin = m_block_min<kIsCausal, kBlockM, kBlockN>(n_block, seqlen_q, seqlen_k);
-    const int n_mblocks = max(ceil_div(seqlen_q, kBlockM) - m_block_begin, 0);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, head_dim = f.head_dim;
+    const Mask<kIsLocal> mask(f, seqlen_q, seqlen_k);
+    int m_block_begin, m_block_end;
+    mask.template m_block_range<kBlockM, kBlockN>(n_block, m_block_begin, m_block_end);
+    const int n_mblocks = max(m_block_end - m_block_begin, 0);
     const int n_iters = group * n_mblocks;  // (query head of the group, query block) pairs
-    const long long key0 = static_cast<long long>(n_block) * kBlockN;
-    const T* k = static_cast<const T*>(f.k) + batch * f.k_batch_stride + kv_head * f.k_head_stride + key0 * f.k_row_stride;
-    const T* v = static_cast<const T*>(f.v) + batch * f.v_batch_stride + kv_head * f.v_head_stride + key0 * f.v_row_stride;
-    const T* q_b = static_cast<const T*>(f.q) + batch * f.q_batch_stride;
-    const T* do_b = static_cast<const T*>(p.dout) + batch * p.do_batch_stride;
-    const A* lse_b = static_cast<const A*>(f.lse) + batch * f.lse_batch_stride;
-    const A* dsum_b = static_cast<const A*>(p.dsum) + batch * p.dsum_batch_stride;
+    const T* k = static_cast<const T*>(f.k) + seq.k_offset(batch, f.k_batch_stride, f.k_row_stride) +
+                 kv_head * f.k_head_stride + static_cast<long long>(key_begin) * f.k_row_stride;
+    const T* v = static_cast<const T*>(f.v) + seq.k_offset(batch, f.v_batch_stride, f.v_row_stride) +
+                 kv_head * f.v_head_stride + static_cast<long long>(key_begin) * f.v_row_stride;
+    // Row 0 of this batch entry (head 0) in Q, dO, LSE, D
+    const T* q_b = static_cast<const T*>(f.q) + seq.q_offset(batch, f.q_batch_stride, f.q_row_stride);
+    const T* do_b = static_cast<const T*>(p.dout) + seq.q_offset(batch, p.do_batch_stride, p.do_row_stride);
+    const A* lse_b = static_cast<const A*>(f.lse) + seq.row_offset(batch, 0, f.lse_batch_stride, f.lse_head_stride);
+    const A* dsum_b = static_cast<const A*>(p.dsum) + seq.row_offset(batch, 0, p.dsum_batch_stride, p.dsum_head_stride);
 
     // [3] Load the Q, dO tiles and LSE, D rows of one query block
     // Iteration it covers query head kv_head * group + it / n_mblocks and query block
@@ -263,15 +268,14 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_simt(const __g
         load_rows<A, kBlockM, kNThreads>(lse_s, dsum_s, lse_b + h * f.lse_head_stride, dsum_b + h * p.dsum_head_stride,
                                          row0, seqlen_q);
     };
-    load_tile<T, kBlockN, kHeadDim, kStride, kNThreads>(k_s, k, f.k_row_stride, seqlen_k - n_block * kBlockN, head_dim);
-    load_tile<T, kBlockN, kHeadDim, kStride, kNThreads>(v_s, v, f.v_row_stride, seqlen_k - n_block * kBlockN, head_dim);
+    load_tile<T, kBlockN, kHeadDim, kStride, kNThreads>(k_s, k, f.k_row_stride, seqlen_k - key_begin, head_dim);
+    load_tile<T, kBlockN, kHeadDim, kStride, kNThreads>(v_s, v, f.v_row_stride, seqlen_k - key_begin, head_dim);
     if (n_iters > 0) {
         load_q(0);
         load_do_rows(0);
     }
     cp_async_commit();
 
-    const A scale_log2 = static_cast<A>(f.scale_log2);
     A acc_dk[kKRows][kGroups * kVec], acc_dk_comp[kKRows][kGroups * kVec];
     A acc_dv[kKRows][kGroups * kVec], acc_dv_comp[kKRows][kGroups * kVec];
 #pragma unroll
@@ -281,18 +285,47 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_simt(const __g
 
     for (int it = 0; it < n_iters; ++it) {
         const int m_block = m_block_begin + it % n_mblocks;
+        const int head = kv_head * group + it / n_mblocks;
+        const int row_begin = m_block * kBlockM;
         cp_async_wait<0>();
         __syncthreads();  // this block's Q, dO, LSE, D (and K, V) are in shared memory
 
-        // [4] Recompute S = Q K^T, mask, P = exp2(S * scale_log2 - LSE * log2(e))
+        // [4] Recompute S = Q K^T, score modifiers, mask, P = exp2(S * scale_log2 - LSE * log2(e))
+        // acc_s[i][j]: query row row_begin + ty + i * kThreadsM, key key_begin + tx + 8 * j
+        const Mod mod(f, batch, head, mask.shift);
         A acc_s[kSRows][kSCols];
         dot_tile<A, kSRows, kSCols, kThreadsM, kStride>(acc_s, q_s, k_s, ty, tx, head_dim);
-        scores_to_p<kIsCausal, kBlockM, kBlockN, kSRows, kSCols, kThreadsM>(acc_s, lse_s, scale_log2, m_block, n_block,
-                                                                            seqlen_q, seqlen_k, ty, tx);
+        {
+            const bool masked = mask.template needs_mask<kBlockM, kBlockN>(m_block, n_block);
+            const A scale_log2 = mod.score_log2(f);
+#pragma unroll
+            for (int i = 0; i < kSRows; ++i)
+#pragma unroll
+                for (int j = 0; j < kSCols; ++j) {
+                    A dc;
+                    acc_s[i][j] = score_to_p(acc_s[i][j], row_begin + ty + i * kThreadsM, key_begin + tx + 8 * j,
+                                             masked, mod, mask, scale_log2, lse_s[ty + i * kThreadsM], dc);
+                    // d logit / d(scale * S), the softcap's 1 - tanh^2, waits for step 7 in this thread's
+                    // own dS slot (free since the last dK product): registers would spill (fp64, d <= 64)
+                    if constexpr ((kVariant & kSoftcap) != 0) ds_s[(ty + i * kThreadsM) * kPStride + tx + j * 8] = dc;
+                }
+        }
+        if constexpr (kIsDropout) {
+            // a dropped entry is kept as -P: dV reads max(P, 0) (its 1 / (1 - p) applied at the store),
+            // dS below tells kept from dropped by the sign
+#pragma unroll
+            for (int i = 0; i < kSRows; ++i)
+#pragma unroll
+                for (int j = 0; j < kSCols; ++j)
+                    if (!Dropout(f, batch, head).keep(row_begin + ty + i * kThreadsM, key_begin + tx + 8 * j))
+                        acc_s[i][j] = -acc_s[i][j];
+        }
 #pragma unroll
         for (int i = 0; i < kSRows; ++i)
 #pragma unroll
-            for (int j = 0; j < kSCols; ++j) p_s[(ty + i * kThreadsM) * kPStride + tx + j * 8] = acc_s[i][j];
+            for (int j = 0; j < kSCols; ++j)
+                p_s[(ty + i * kThreadsM) * kPStride + tx + j * 8] =
+                    kIsDropout && acc_s[i][j] < A(0) ? A(0) : acc_s[i][j];  // dropout: P * keep
         __syncthreads();
 
         // [5] dV += P^T dO
@@ -303,12 +336,25 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_simt(const __g
         dot_tile<A, kSRows, kSCols, kThreadsM, kStride>(acc_dp, do_s, v_s, ty, tx, head_dim);
 
         // [7] dS = P * (dP - D)
+        // Dropout: dL/dP is dP / (1 - p) where kept and 0 where dropped (there acc_s = -P, so dS = -P * D
+        // = acc_s * D). Softcap: times 1 - tanh^2.
 #pragma unroll
         for (int i = 0; i < kSRows; ++i) {
             const A d = dsum_s[ty + i * kThreadsM];
 #pragma unroll
-            for (int j = 0; j < kSCols; ++j)
-                ds_s[(ty + i * kThreadsM) * kPStride + tx + j * 8] = acc_s[i][j] * (acc_dp[i][j] - d);
+            for (int j = 0; j < kSCols; ++j) {
+                A ds;
+                if constexpr (kIsDropout) {
+                    ds = acc_s[i][j] >= A(0)
+                             ? acc_s[i][j] * fma_acc(acc_dp[i][j], static_cast<A>(f.dropout_scale), -d)
+                             : acc_s[i][j] * d;
+                } else {
+                    ds = acc_s[i][j] * (acc_dp[i][j] - d);
+                }
+                A& ds_slot = ds_s[(ty + i * kThreadsM) * kPStride + tx + j * 8];
+                if constexpr ((kVariant & kSoftcap) != 0) ds *= ds_slot;  // 1 - tanh^2 from step 4
+                ds_slot = ds;
+            }
         }
         __syncthreads();  // ds_s complete; do_s, lse_s, dsum_s free for the next query block
         if (it + 1 < n_iters) load_do_rows(it + 1);
@@ -324,17 +370,19 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_simt(const __g
     // [9] Store dK * softmax_scale and dV
     int rows[kKRows];
 #pragma unroll
-    for (int i = 0; i < kKRows; ++i) rows[i] = n_block * kBlockN + ty * kKRows + i;
-    T* dk = static_cast<T*>(p.dk) + batch * p.dk_batch_stride + kv_head * p.dk_head_stride;
-    T* dv = static_cast<T*>(p.dv) + batch * p.dv_batch_stride + kv_head * p.dv_head_stride;
+    for (int i = 0; i < kKRows; ++i) rows[i] = key_begin + ty * kKRows + i;
+    T* dk = static_cast<T*>(p.dk) + seq.k_offset(batch, p.dk_batch_stride, p.dk_row_stride) + kv_head * p.dk_head_stride;
+    T* dv = static_cast<T*>(p.dv) + seq.k_offset(batch, p.dv_batch_stride, p.dv_row_stride) + kv_head * p.dv_head_stride;
     store_rows<T, A, kKRows, kGroups>(dk, p.dk_row_stride, rows, seqlen_k, head_dim, tx, acc_dk, acc_dk_comp,
                                       static_cast<A>(f.softmax_scale));
-    store_rows<T, A, kKRows, kGroups>(dv, p.dv_row_stride, rows, seqlen_k, head_dim, tx, acc_dv, acc_dv_comp, A(1));
+    // Dropout: the kept P's 1 / (1 - p), as a float in the params
+    store_rows<T, A, kKRows, kGroups>(dv, p.dv_row_stride, rows, seqlen_k, head_dim, tx, acc_dv, acc_dv_comp,
+                                      kIsDropout ? static_cast<A>(f.dropout_scale) : A(1));
 }
 
 // Launch bounds with minBlocks = 1: without it ptxas trims registers to the next occupancy step
 // (128 or 168) even at the price of spills, which the compile gate forbids.
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kVariant>
 __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dq_simt(const __grid_constant__ BwdParams p) {
     using namespace simt_bwd;
     using A = acc_t<T>;
@@ -353,6 +401,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dq_simt(const __gri
     static_assert(kRows >= 1 && kBlockM % kThreadsM == 0, "kBlockM must be a multiple of kNWarps * 4");
     static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16");
     static_assert(kHeadDim % (8 * kVec) == 0, "kHeadDim must be a multiple of 32");
+    constexpr bool kIsLocal = (kVariant & kLocal) != 0, kIsDropout = (kVariant & kDropout) != 0;
+    using Mod = ScoreMod<A, kVariant, false>;
 
     extern __shared__ __align__(16) char smem[];
     {
@@ -373,59 +423,87 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dq_simt(const __gri
     const int ty = tid / 8;
     const FwdParams& f = p.fwd;
 
-    // [10] dQ block coordinates: m_block, head, batch; causal skips key blocks above the diagonal
+    // [10] dQ block coordinates: m_block, head, batch; the mask gives the key blocks to visit
     const int m_block = blockIdx.x;
     const int head = blockIdx.y;
     const int batch = blockIdx.z;
+    const SeqInfo<(kVariant & kVarlen) != 0> seq(f, batch);
+    const int row_begin = m_block * kBlockM;
+    if (row_begin >= seq.seqlen_q) return;  // varlen: a shorter sequence than the grid's
     const int kv_head = head / (f.nheads / f.nheads_k);
-    const int seqlen_q = f.seqlen_q, seqlen_k = f.seqlen_k, head_dim = f.head_dim;
-    const int n_block_end = n_block_max<kIsCausal, kBlockM, kBlockN>(m_block, seqlen_q, seqlen_k);
-    const int row0 = m_block * kBlockM;
-    const T* q = static_cast<const T*>(f.q) + batch * f.q_batch_stride + head * f.q_head_stride +
-                 static_cast<long long>(row0) * f.q_row_stride;
-    const T* dout = static_cast<const T*>(p.dout) + batch * p.do_batch_stride + head * p.do_head_stride +
-                    static_cast<long long>(row0) * p.do_row_stride;
-    const T* k = static_cast<const T*>(f.k) + batch * f.k_batch_stride + kv_head * f.k_head_stride;
-    const T* v = static_cast<const T*>(f.v) + batch * f.v_batch_stride + kv_head * f.v_head_stride;
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, head_dim = f.head_dim;
+    const Mask<kIsLocal> mask(f, seqlen_q, seqlen_k);
+    const Mod mod(f, batch, head, mask.shift);
+    int n_block_min, n_block_end;
+    mask.template n_block_range<kBlockM, kBlockN>(m_block, n_block_min, n_block_end);
+    const T* q = static_cast<const T*>(f.q) + seq.q_offset(batch, f.q_batch_stride, f.q_row_stride) +
+                 head * f.q_head_stride + static_cast<long long>(row_begin) * f.q_row_stride;
+    const T* dout = static_cast<const T*>(p.dout) + seq.q_offset(batch, p.do_batch_stride, p.do_row_stride) +
+                    head * p.do_head_stride + static_cast<long long>(row_begin) * p.do_row_stride;
+    const T* k = static_cast<const T*>(f.k) + seq.k_offset(batch, f.k_batch_stride, f.k_row_stride) +
+                 kv_head * f.k_head_stride;
+    const T* v = static_cast<const T*>(f.v) + seq.k_offset(batch, f.v_batch_stride, f.v_row_stride) +
+                 kv_head * f.v_head_stride;
 
-    // Q, dO, LSE, D of this query block stay; K and V of block 0 follow, block n + 1 is issued
-    // during block n.
-    load_tile<T, kBlockM, kHeadDim, kStride, kNThreads>(q_s, q, f.q_row_stride, seqlen_q - row0, head_dim);
-    load_tile<T, kBlockM, kHeadDim, kStride, kNThreads>(do_s, dout, p.do_row_stride, seqlen_q - row0, head_dim);
+    // Q, dO, LSE, D of this query block stay; K and V of block n_block_min follow, block n + 1 is
+    // issued during block n.
+    load_tile<T, kBlockM, kHeadDim, kStride, kNThreads>(q_s, q, f.q_row_stride, seqlen_q - row_begin, head_dim);
+    load_tile<T, kBlockM, kHeadDim, kStride, kNThreads>(do_s, dout, p.do_row_stride, seqlen_q - row_begin, head_dim);
     load_rows<A, kBlockM, kNThreads>(
-        lse_s, dsum_s, static_cast<const A*>(f.lse) + batch * f.lse_batch_stride + head * f.lse_head_stride,
-        static_cast<const A*>(p.dsum) + batch * p.dsum_batch_stride + head * p.dsum_head_stride, row0, seqlen_q);
-    if (n_block_end > 0) {
-        load_tile<T, kBlockN, kHeadDim, kStride, kNThreads>(k_s, k, f.k_row_stride, seqlen_k, head_dim);
-        load_tile<T, kBlockN, kHeadDim, kStride, kNThreads>(v_s, v, f.v_row_stride, seqlen_k, head_dim);
+        lse_s, dsum_s,
+        static_cast<const A*>(f.lse) + seq.row_offset(batch, head, f.lse_batch_stride, f.lse_head_stride),
+        static_cast<const A*>(p.dsum) + seq.row_offset(batch, head, p.dsum_batch_stride, p.dsum_head_stride),
+        row_begin, seqlen_q);
+    if (n_block_end > n_block_min) {
+        const int key0 = n_block_min * kBlockN;
+        load_tile<T, kBlockN, kHeadDim, kStride, kNThreads>(k_s, k + key0 * f.k_row_stride, f.k_row_stride,
+                                                            seqlen_k - key0, head_dim);
+        load_tile<T, kBlockN, kHeadDim, kStride, kNThreads>(v_s, v + key0 * f.v_row_stride, f.v_row_stride,
+                                                            seqlen_k - key0, head_dim);
     }
     cp_async_commit();
 
-    const A scale_log2 = static_cast<A>(f.scale_log2);
+    const A scale_log2 = mod.score_log2(f);
     A acc_dq[kRows][kGroups * kVec], acc_dq_comp[kRows][kGroups * kVec];
 #pragma unroll
     for (int i = 0; i < kRows; ++i)
 #pragma unroll
         for (int c = 0; c < kGroups * kVec; ++c) acc_dq[i][c] = acc_dq_comp[i][c] = A(0);
 
-    for (int n_block = 0; n_block < n_block_end; ++n_block) {
-        const int next_row0 = (n_block + 1) * kBlockN;
+    for (int n_block = n_block_min; n_block < n_block_end; ++n_block) {
+        const int key0 = n_block * kBlockN;
+        const int next_row0 = key0 + kBlockN;
         cp_async_wait<0>();
         __syncthreads();  // K, V of this key block (and Q, dO, LSE, D) are in shared memory
 
         // [11] Recompute S, P and dS = P * (dO V^T - D) for one key block
+        // Per score: modifiers and mask on S, P; dL/dP = dP / (1 - p) where kept, 0 where dropped
+        // (dropout); dS = P * (dL/dP - D), times the softcap's 1 - tanh^2.
+        // acc_s / acc_dp[i][j]: query row row_begin + ty + i * kThreadsM, key key0 + tx + 8 * j
         A acc_s[kRows][kCols];
         dot_tile<A, kRows, kCols, kThreadsM, kStride>(acc_s, q_s, k_s, ty, tx, head_dim);
-        scores_to_p<kIsCausal, kBlockM, kBlockN, kRows, kCols, kThreadsM>(acc_s, lse_s, scale_log2, m_block, n_block,
-                                                                          seqlen_q, seqlen_k, ty, tx);
         A acc_dp[kRows][kCols];
         dot_tile<A, kRows, kCols, kThreadsM, kStride>(acc_dp, do_s, v_s, ty, tx, head_dim);
+        const bool masked = mask.template needs_mask<kBlockM, kBlockN>(m_block, n_block);
 #pragma unroll
         for (int i = 0; i < kRows; ++i) {
+            const int row = row_begin + ty + i * kThreadsM;
             const A d = dsum_s[ty + i * kThreadsM];
 #pragma unroll
-            for (int j = 0; j < kCols; ++j)
-                ds_s[(ty + i * kThreadsM) * kPStride + tx + j * 8] = acc_s[i][j] * (acc_dp[i][j] - d);
+            for (int j = 0; j < kCols; ++j) {
+                const int col = key0 + tx + 8 * j;
+                A dcap;
+                const A pv = score_to_p(acc_s[i][j], row, col, masked, mod, mask, scale_log2,
+                                        lse_s[ty + i * kThreadsM], dcap);
+                A dl = acc_dp[i][j] - d;  // dL/dP - D
+                if constexpr (kIsDropout) {
+                    const bool kept = Dropout(f, batch, head).keep(row, col);
+                    dl = kept ? fma_acc(acc_dp[i][j], static_cast<A>(f.dropout_scale), -d) : -d;
+                }
+                A ds = pv * dl;
+                if constexpr ((kVariant & kSoftcap) != 0) ds *= dcap;
+                ds_s[(ty + i * kThreadsM) * kPStride + tx + j * 8] = ds;
+            }
         }
         __syncthreads();  // ds_s complete, v_s free
         if (n_block + 1 < n_block_end)
@@ -445,8 +523,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dq_simt(const __gri
     // [13] Store dQ * softmax_scale
     int rows[kRows];
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) rows[i] = row0 + ty + i * kThreadsM;
-    T* dq = static_cast<T*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride;
+    for (int i = 0; i < kRows; ++i) rows[i] = row_begin + ty + i * kThreadsM;
+    T* dq = static_cast<T*>(p.dq) + seq.q_offset(batch, p.dq_batch_stride, p.dq_row_stride) + head * p.dq_head_stride;
     store_rows<T, A, kRows, kGroups>(dq, p.dq_row_stride, rows, seqlen_q, head_dim, tx, acc_dq, acc_dq_comp,
                                      static_cast<A>(f.softmax_scale));
 }

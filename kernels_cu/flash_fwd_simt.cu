@@ -23,9 +23,16 @@
 //   emulated in NumPy);
 // - S = Q K^T sums head_dim products in partials of 8 (dot_tile), which matters at small N;
 // - alpha is exactly 1 while a row's max holds (see step 5).
+//
+// Variants (kVariant, mask.cuh) as in flash_fwd.cu: the key blocks come from Mask::n_block_range, scores
+// pass through ScoreMod (softcap, ALiBi; the library tanh: fp32 / fp64 outputs need its accuracy) and
+// the mask, P through dropout before P V (one Philox call per score: Dropout::keep). Varlen batches
+// take their rows and lengths from SeqInfo.
 #include "common.cuh"
+#include "dropout.cuh"
 #include "mask.cuh"
 #include "params.cuh"
+#include "seqinfo.cuh"
 #include "simt.cuh"
 
 namespace cuflash {
@@ -60,7 +67,7 @@ __device__ __forceinline__ A div_acc(A a, A s, A r) {
 
 // Launch bounds with minBlocks = 1: without it ptxas trims registers to the next occupancy step
 // (128 or 168) even at the price of spills, which the compile gate forbids.
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kVariant>
 __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_simt(const __grid_constant__ FwdParams p) {
     using namespace simt_fwd;
     using A = acc_t<T>;
@@ -79,6 +86,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_simt(const __grid_c
     static_assert(kRows >= 1 && kBlockM % kThreadsM == 0, "kBlockM must be a multiple of kNWarps * 4");
     static_assert(kCols >= 1 && kBlockN % kThreadsN == 0 && kBlockN % 16 == 0, "kBlockN must be a multiple of 16");
     static_assert(kHeadDim % (kThreadsN * kVec) == 0, "kHeadDim must be a multiple of 32");
+    constexpr bool kIsLocal = (kVariant & kLocal) != 0, kIsDropout = (kVariant & kDropout) != 0;
+    using Mod = ScoreMod<A, kVariant, false>;
 
     extern __shared__ __align__(16) char smem[];
     {
@@ -95,32 +104,43 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_simt(const __grid_c
     const int tx = tid % kThreadsN;
     const int ty = tid / kThreadsN;
 
-    // [1] Block coordinates: m_block, head, batch; causal skips key blocks above the diagonal
+    // [1] Block coordinates: m_block, head, batch; the mask gives the key blocks to visit
     const int m_block = blockIdx.x;
     const int head = blockIdx.y;
     const int batch = blockIdx.z;
+    const SeqInfo<(kVariant & kVarlen) != 0> seq(p, batch);
+    const int row_begin = m_block * kBlockM;
+    if (row_begin >= seq.seqlen_q) return;  // varlen: a shorter sequence than the grid's
     const int kv_head = head / (p.nheads / p.nheads_k);
-    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, head_dim = p.head_dim;
-    const int n_block_end = n_block_max<kIsCausal, kBlockM, kBlockN>(m_block, seqlen_q, seqlen_k);
-    const T* q = static_cast<const T*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride;
-    const T* k = static_cast<const T*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
-    const T* v = static_cast<const T*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, head_dim = p.head_dim;
+    const Mask<kIsLocal> mask(p, seqlen_q, seqlen_k);
+    const Mod mod(p, batch, head, mask.shift);
+    int n_block_min, n_block_end;
+    mask.template n_block_range<kBlockM, kBlockN>(m_block, n_block_min, n_block_end);
+    const T* q = static_cast<const T*>(p.q) + seq.q_offset(batch, p.q_batch_stride, p.q_row_stride) +
+                 head * p.q_head_stride;
+    const T* k = static_cast<const T*>(p.k) + seq.k_offset(batch, p.k_batch_stride, p.k_row_stride) +
+                 kv_head * p.k_head_stride;
+    const T* v = static_cast<const T*>(p.v) + seq.k_offset(batch, p.v_batch_stride, p.v_row_stride) +
+                 kv_head * p.v_head_stride;
 
     // [2] Load the Q tile
     // Copies run asynchronously, one commit group per tile: Q, then K and V of key block 0. The
     // loop below keeps exactly one group (the next K or V tile) in flight behind the one it waits for.
     load_tile<T, kBlockM, kHeadDim, kStride, kNThreads>(
-        q_s, q + static_cast<long long>(m_block) * kBlockM * p.q_row_stride, p.q_row_stride,
-        seqlen_q - m_block * kBlockM, head_dim);
+        q_s, q + static_cast<long long>(row_begin) * p.q_row_stride, p.q_row_stride, seqlen_q - row_begin, head_dim);
     cp_async_commit();
-    if (n_block_end > 0) {
-        load_tile<T, kBlockN, kHeadDim, kStride, kNThreads>(k_s, k, p.k_row_stride, seqlen_k, head_dim);
+    if (n_block_end > n_block_min) {
+        const int key0 = n_block_min * kBlockN;
+        load_tile<T, kBlockN, kHeadDim, kStride, kNThreads>(k_s, k + key0 * p.k_row_stride, p.k_row_stride,
+                                                            seqlen_k - key0, head_dim);
         cp_async_commit();
-        load_tile<T, kBlockN, kHeadDim, kStride, kNThreads>(v_s, v, p.v_row_stride, seqlen_k, head_dim);
+        load_tile<T, kBlockN, kHeadDim, kStride, kNThreads>(v_s, v + key0 * p.v_row_stride, p.v_row_stride,
+                                                            seqlen_k - key0, head_dim);
         cp_async_commit();
     }
 
-    const A scale_log2 = static_cast<A>(p.scale_log2);
+    const A scale_log2 = mod.score_log2(p);
     A acc_o[kRows][kGroups * kVec], acc_o_comp[kRows][kGroups * kVec];
     // row_max_scaled = row_max * scale_log2 as rounded once; P, alpha and the LSE all use this value.
     A row_max[kRows], row_max_scaled[kRows], row_sum[kRows], row_sum_comp[kRows];
@@ -134,7 +154,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_simt(const __grid_c
         for (int c = 0; c < kGroups * kVec; ++c) acc_o[i][c] = acc_o_comp[i][c] = A(0);
     }
 
-    for (int n_block = 0; n_block < n_block_end; ++n_block) {
+    for (int n_block = n_block_min; n_block < n_block_end; ++n_block) {
         const int next_row0 = (n_block + 1) * kBlockN;  // first key row of the next block
         // [3] S = Q K^T
         cp_async_wait<1>();  // Q and this block's K have landed (V may still be in flight)
@@ -142,15 +162,25 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_simt(const __grid_c
         A acc_s[kRows][kCols];
         dot_tile<A, kRows, kCols, kThreadsM, kStride>(acc_s, q_s, k_s, ty, tx, head_dim);
 
-        // [4] Mask the sequence tail and the causal diagonal
-        if (block_needs_mask<kIsCausal, kBlockM, kBlockN>(m_block, n_block, seqlen_q, seqlen_k)) {
+        // [4] Score modifiers (softcap, ALiBi); mask the sequence tail, the causal diagonal and the window
+        // acc_s[i][j]: query row row_begin + ty + i * kThreadsM, key n_block * kBlockN + tx + j * kThreadsN
+        if constexpr (Mod::kTransform) {
 #pragma unroll
-            for (int i = 0; i < kRows; ++i) {
-                const int limit = col_limit<kIsCausal>(m_block * kBlockM + ty + i * kThreadsM, seqlen_q, seqlen_k);
+            for (int i = 0; i < kRows; ++i)
+#pragma unroll
+                for (int j = 0; j < kCols; ++j) {
+                    A dcap;
+                    acc_s[i][j] = mod.apply(acc_s[i][j], row_begin + ty + i * kThreadsM,
+                                            n_block * kBlockN + tx + j * kThreadsN, dcap);
+                }
+        }
+        if (mask.template needs_mask<kBlockM, kBlockN>(m_block, n_block)) {
+#pragma unroll
+            for (int i = 0; i < kRows; ++i)
 #pragma unroll
                 for (int j = 0; j < kCols; ++j)
-                    if (n_block * kBlockN + tx + j * kThreadsN >= limit) acc_s[i][j] = neg_inf<A>();
-            }
+                    if (!mask.visible(row_begin + ty + i * kThreadsM, n_block * kBlockN + tx + j * kThreadsN))
+                        acc_s[i][j] = neg_inf<A>();
         }
 
         // [5] Online softmax: update row_max, rescale acc_o and row_sum, P = exp2(S * scale_log2 - row_max * scale_log2)
@@ -178,8 +208,16 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_simt(const __grid_c
                 part += acc_s[i][j];
             }
             fold(row_sum[i], row_sum_comp[i], alpha[i], part);
+            // Dropout (for step 6): dropped entries are 0 in P V only; row_sum, and so the LSE, keep them
 #pragma unroll
-            for (int j = 0; j < kCols; ++j) p_s[(ty + i * kThreadsM) * kPStride + tx + j * kThreadsN] = acc_s[i][j];
+            for (int j = 0; j < kCols; ++j) {
+                A pv = acc_s[i][j];
+                if constexpr (kIsDropout) {
+                    const int row = row_begin + ty + i * kThreadsM, col = n_block * kBlockN + tx + j * kThreadsN;
+                    if (!Dropout(p, batch, head).keep(row, col)) pv = A(0);
+                }
+                p_s[(ty + i * kThreadsM) * kPStride + tx + j * kThreadsN] = pv;
+            }
         }
         __syncthreads();  // p_s complete, k_s free: start the next K tile behind this block's P V
         if (n_block + 1 < n_block_end)
@@ -189,7 +227,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_simt(const __grid_c
         cp_async_wait<1>();  // this block's V has landed
         __syncthreads();
 
-        // [6] O += P V
+        // [6] O += dropout(P) V
+        // p_s holds P with the dropped entries 0 (step 5); O is scaled by 1 / (1 - dropout_p) at the store.
         // Per chunk of kChunk vectors: a fresh partial over this block's kBlockN keys, then
         // acc_o = acc_o * alpha + partial.
 #pragma unroll
@@ -238,7 +277,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_simt(const __grid_c
     for (int i = 0; i < kRows; ++i) {
         const A sum = warp_allreduce_sum<kThreadsN>(resolve(row_sum[i], row_sum_comp[i]));
         const bool empty = row_max[i] == neg_inf<A>();
-        // row_max * softmax_scale, taken as row_max_scaled * ln(2): the exact reference of P.
+        // row_max * softmax_scale (mod.lse_scale()), taken as row_max_scaled * ln(2): the exact reference
+        // of P, whatever exp2's scale (mod.score_log2) is.
         lse[i] = empty ? neg_inf<A>() : row_max_scaled[i] * static_cast<A>(0.6931471805599453) + log_acc(sum);
         const A inv_sum = empty ? A(0) : rcp_acc(sum);
 #pragma unroll
@@ -247,12 +287,14 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_simt(const __grid_c
     }
 
     // [8] Store O and LSE
-    T* o = static_cast<T*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride;
+    T* o = static_cast<T*>(p.o) + seq.q_offset(batch, p.o_batch_stride, p.o_row_stride) + head * p.o_head_stride;
     const bool o_vec = aligned16(o, p.o_row_stride, sizeof(T)) && head_dim % kVec == 0;
-    A* lse_ptr = static_cast<A*>(p.lse) + batch * p.lse_batch_stride + head * p.lse_head_stride;
+    A* lse_ptr = static_cast<A*>(p.lse) + seq.row_offset(batch, head, p.lse_batch_stride, p.lse_head_stride);
+    // Dropout: the kept entries' 1 / (1 - dropout_p), as a float in the params
+    const A out_scale = kIsDropout ? static_cast<A>(p.dropout_scale) : A(1);
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
-        const int row = m_block * kBlockM + ty + i * kThreadsM;
+        const int row = row_begin + ty + i * kThreadsM;
         if (row >= seqlen_q) continue;
         T* o_row = o + static_cast<long long>(row) * p.o_row_stride;
 #pragma unroll
@@ -260,7 +302,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_simt(const __grid_c
             const int col = (g * kThreadsN + tx) * kVec;
             T out[kVec];
 #pragma unroll
-            for (int e = 0; e < kVec; ++e) out[e] = from_acc<T>(acc_o[i][g * kVec + e]);
+            for (int e = 0; e < kVec; ++e)
+                out[e] = from_acc<T>(kIsDropout ? acc_o[i][g * kVec + e] * out_scale : acc_o[i][g * kVec + e]);
             if (o_vec) {
                 if (col < head_dim) *reinterpret_cast<typename Vec16<T>::type*>(o_row + col) = pack16(out);
             } else {
