@@ -28,8 +28,8 @@ FWD_PARAMS = np.dtype(
         ("batch", _i32), ("nheads", _i32), ("nheads_k", _i32),
         ("seqlen_q", _i32), ("seqlen_k", _i32), ("head_dim", _i32),
         ("cu_seqlens_q", _ptr), ("cu_seqlens_k", _ptr), ("alibi_slopes", _ptr), ("alibi_batch_stride", _i64),
-        ("seed", np.uint64), ("window_left", _i32), ("window_right", _i32), ("softcap", _f32),
-        ("dropout_scale", _f32), ("dropout_threshold", np.uint32), ("offset", np.uint32),
+        ("seed", np.uint64), ("dropout_scale", _f64), ("window_left", _i32), ("window_right", _i32),
+        ("softcap", _f32), ("dropout_threshold", np.uint32), ("offset", np.uint32),
     ],
     align=True,
 )

@@ -139,11 +139,12 @@ _TILES: dict[str, dict[int, tuple[int, int, int]]] = {
 
 
 # Tiles for the score modifiers and dropout (SOFTCAP, ALIBI, DROPOUT: registers of their own) where the
-# plain tile spills (compile gate): 8 warps and, at d = 256, 32-key tiles. Same format as _TILES.
+# plain tile spills (compile gate): 8 warps, or smaller tiles. Same format as _TILES.
 HEAVY = SOFTCAP | ALIBI | DROPOUT
 _TILES_HEAVY: dict[str, dict[int, tuple[int, int, int]]] = {
     "flash_fwd": {128: (128, 32, 8), 160: (128, 32, 8), 256: (128, 32, 8)},
     "flash_bwd_dkdv": {96: (64, 64, 8), 128: (64, 64, 8)},
+    "flash_bwd_dkdv_simt": {64: (32, 32, 4)},
 }
 
 # flash_bwd_preprocess: (block_m, warps), whatever the head dim (it takes none).

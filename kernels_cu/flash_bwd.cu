@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim == 32 && (kVariant & kL
                     const float d = sD[q_col0 + 8 * ni + 2 * t + (e & 1)];
                     float ds;
                     if constexpr (kIsDropout) {
-                        ds = acc_s[ni][e] >= 0.f ? acc_s[ni][e] * (acc_dp[ni][e] * p.fwd.dropout_scale - d)
+                        ds = acc_s[ni][e] >= 0.f ? acc_s[ni][e] * (acc_dp[ni][e] * static_cast<float>(p.fwd.dropout_scale) - d)
                                                  : acc_s[ni][e] * d;
                     } else {
                         ds = acc_s[ni][e] * (acc_dp[ni][e] - d);
@@ -333,7 +333,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim == 32 && (kVariant & kL
     cp_async_wait<0>();  // K, V copies may still be in flight when no query block was visited
     __syncthreads();
     acc_to_smem<T, kNTilesD, kPitch>(sK, acc_dk, key_row0, d_col0, lane, static_cast<float>(p.fwd.softmax_scale));
-    acc_to_smem<T, kNTilesD, kPitch>(sV, acc_dv, key_row0, d_col0, lane, kIsDropout ? p.fwd.dropout_scale : 1.f);
+    acc_to_smem<T, kNTilesD, kPitch>(sV, acc_dv, key_row0, d_col0, lane, kIsDropout ? static_cast<float>(p.fwd.dropout_scale) : 1.f);
     __syncthreads();
     T* dk = static_cast<T*>(p.dk) + seq.k_offset(batch, p.dk_batch_stride, p.dk_row_stride) + head_k * p.dk_head_stride +
             key_begin * p.dk_row_stride;
@@ -493,7 +493,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dq(const __grid_consta
         }
         // Dropout: dL/dP = dO V^T / (1 - p) where kept, 0 where dropped
         if constexpr ((kVariant & kDropout) != 0) {
-            const float rp = p.fwd.dropout_scale;
+            const float rp = static_cast<float>(p.fwd.dropout_scale);
             Dropout(p.fwd, batch, head).for_each_keep(acc_dp, row_begin + warp_row0, key0, lane,
                                                       [rp](float& x, bool kept) { x = kept ? x * rp : 0.f; });
         }

@@ -222,7 +222,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const __grid_constant_
 #pragma unroll
     for (int mi = 0; mi < kMTiles; ++mi)
         acc_to_smem<T, kNTilesO, kPitch>(sQ, acc_o[mi], warp_row0 + 16 * mi, 0, lane,
-                                         (kVariant & kDropout) ? p.dropout_scale : 1.f);
+                                         (kVariant & kDropout) ? static_cast<float>(p.dropout_scale) : 1.f);
     __syncthreads();
     T* o = static_cast<T*>(p.o) + seq.q_offset(batch, p.o_batch_stride, p.o_row_stride) + head * p.o_head_stride +
            row_begin * p.o_row_stride;

@@ -39,10 +39,10 @@ struct FwdParams {
     const float* alibi_slopes;     // [batch, head] with alibi_batch_stride (0 for one row of nheads)
     long long alibi_batch_stride;
     unsigned long long seed;       // dropout: the Philox key
+    double dropout_scale;          // 1 / (1 - dropout_p); double, exact for the fp64 kernels
     int window_left;               // row i sees keys i' - left .. i' + right (i' = i + seqlen_k - seqlen_q);
     int window_right;              // unbounded: kUnbounded (mask.cuh) where the API says -1; causal is right = 0
     float softcap;                 // > 0: scores become softcap * tanh(score / softcap)
-    float dropout_scale;           // 1 / (1 - dropout_p)
     unsigned int dropout_threshold;   // a score is kept iff its 16-bit Philox draw is >= this: floor(p * 65536)
     unsigned int offset;              // dropout: the fourth Philox counter word
 };

@@ -270,7 +270,7 @@ class Cuflash(Impl):
         s = InputSet(*(to_torch(x) for x in (s.q, s.k, s.v, s.do))) if self.torch_inputs else s
         if self.kv_heads:
             s = InputSet(s.q, s.k[:, :, :self.kv_heads], s.v[:, :, :self.kv_heads], s.do)
-        if self.variant.get("alibi_slopes") == "h":  # ALiBi's geometric slopes 2**(-8 (h + 1) / H)
+        if isinstance(self.variant.get("alibi_slopes"), str):  # "h": ALiBi's geometric slopes 2**(-8 (h + 1) / H)
             import cupy
 
             h = s.q.shape[2]
