@@ -76,9 +76,12 @@ def _set_bhs(p, name: str, a) -> None:
 
 def variant(causal: bool, varlen=None, window=_mask.NO_WINDOW, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
             **_) -> int:
-    """The kVariant bits a call needs (config.LOCAL, SOFTCAP, ALIBI, DROPOUT, VARLEN)."""
-    return variant_bits(local=not _mask.is_plain(*_mask.effective_window(causal, window)), softcap=bool(softcap),
-                        alibi=alibi_slopes is not None, dropout=bool(dropout_p), varlen=varlen is not None)
+    """The kVariant bits a call needs (config.LOCAL, SOFTCAP, ALIBI, DROPOUT, VARLEN, WINDOW): LOCAL alone
+    for causal, LOCAL | WINDOW for any other window."""
+    left, right = _mask.effective_window(causal, window)
+    return variant_bits(local=not _mask.is_plain(left, right), window=(left, right) not in ((-1, -1), (-1, 0)),
+                        softcap=bool(softcap), alibi=alibi_slopes is not None, dropout=bool(dropout_p),
+                        varlen=varlen is not None)
 
 
 def fwd_params(q, k, v, o, lse, softmax_scale: float, causal: bool, varlen=None, **variants):

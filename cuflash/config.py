@@ -61,12 +61,16 @@ SOFTCAP = 2
 ALIBI = 4
 DROPOUT = 8
 VARLEN = 16  # packed sequences: rows and lengths from cu_seqlens
-VARIANT_NAMES = {LOCAL: "local", SOFTCAP: "softcap", ALIBI: "alibi", DROPOUT: "dropout", VARLEN: "varlen"}
-ALL_VARIANTS = LOCAL | SOFTCAP | ALIBI | DROPOUT | VARLEN
+WINDOW = 32  # with LOCAL: a sliding window, both bounds read at run time (LOCAL alone is causal, compiled in)
+VARIANT_NAMES = {LOCAL: "local", SOFTCAP: "softcap", ALIBI: "alibi", DROPOUT: "dropout", VARLEN: "varlen",
+                 WINDOW: "window"}
+ALL_VARIANTS = LOCAL | SOFTCAP | ALIBI | DROPOUT | VARLEN | WINDOW
 
 
-def variant_bits(*, local=False, softcap=False, alibi=False, dropout=False, varlen=False) -> int:
-    bits = ((LOCAL, local), (SOFTCAP, softcap), (ALIBI, alibi), (DROPOUT, dropout), (VARLEN, varlen))
+def variant_bits(*, local=False, softcap=False, alibi=False, dropout=False, varlen=False, window=False) -> int:
+    """kVariant of a call; window: its mask is a sliding window, not causal alone (implies local)."""
+    bits = ((LOCAL, local or window), (SOFTCAP, softcap), (ALIBI, alibi), (DROPOUT, dropout), (VARLEN, varlen),
+            (WINDOW, window))
     return sum(bit for bit, on in bits if on)
 
 
@@ -78,7 +82,7 @@ class KernelConfig:
     block_m: int  # query rows per tile
     block_n: int  # key rows per tile; 0 where the kernel takes none
     warps: int
-    variant: int  # kVariant: a sum of LOCAL, SOFTCAP, ALIBI, DROPOUT, VARLEN
+    variant: int  # kVariant: a sum of LOCAL, SOFTCAP, ALIBI, DROPOUT, VARLEN, WINDOW
 
     @property
     def source(self) -> str:

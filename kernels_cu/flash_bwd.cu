@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim == 32 && (kVariant & kL
     constexpr int kPPitch = kBlockM + 8;
     constexpr unsigned kSmemBytes = (2 * kBlockN + 2 * kBlockM) * kPitch * sizeof(T) +
                                     (kPInSmem ? 2 * kBlockN * kPPitch * sizeof(T) : 0) + 2 * kBlockM * sizeof(float);
-    constexpr bool kIsLocal = (kVariant & kLocal) != 0, kIsDropout = (kVariant & kDropout) != 0;
+    constexpr bool kIsDropout = (kVariant & kDropout) != 0;
     using Mod = ScoreMod<float, kVariant, true>;
     constexpr int kNTilesCap = (kVariant & kSoftcap) ? kNTilesQ : 1;  // the softcap derivative's tile
 
@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim == 32 && (kVariant & kL
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, head_dim = p.fwd.head_dim;
     const int group = p.fwd.nheads / p.fwd.nheads_k;
-    const Mask<kIsLocal> mask(p.fwd, seq.seqlen_q, seq.seqlen_k);
+    const Mask<kVariant> mask(p.fwd, seq.seqlen_q, seq.seqlen_k);
     int m_block_first, m_block_end;
     mask.template m_block_range<kBlockM, kBlockN>(n_block, m_block_first, m_block_end);
     const int wn = warp % kWN, wm = warp / kWN;
@@ -364,7 +364,6 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dq(const __grid_consta
     constexpr int kNTilesS = kBlockN / 8;
     constexpr int kNTilesD = kHeadDim / 8;
     constexpr unsigned kSmemBytes = (2 * kBlockM + 2 * kBlockN) * kPitch * sizeof(T);
-    constexpr bool kIsLocal = (kVariant & kLocal) != 0;
     using Mod = ScoreMod<float, kVariant, true>;
 
     unsigned dyn_smem;
@@ -386,7 +385,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dq(const __grid_consta
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane >> 2, t = lane & 3;
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, head_dim = p.fwd.head_dim;
-    const Mask<kIsLocal> mask(p.fwd, seq.seqlen_q, seq.seqlen_k);
+    const Mask<kVariant> mask(p.fwd, seq.seqlen_q, seq.seqlen_k);
     const Mod mod(p.fwd, batch, head, mask.shift);
     int n_block_min, n_block_end;
     mask.template n_block_range<kBlockM, kBlockN>(m_block, n_block_min, n_block_end);

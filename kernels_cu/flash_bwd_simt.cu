@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_simt(const __g
     static_assert(kKRows >= 1 && kBlockN % kThreadsM == 0, "kBlockN must be a multiple of kNWarps * 4");
     static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16");
     static_assert(kHeadDim % (8 * kVec) == 0, "kHeadDim must be a multiple of 32");
-    constexpr bool kIsLocal = (kVariant & kLocal) != 0, kIsDropout = (kVariant & kDropout) != 0;
+    constexpr bool kIsDropout = (kVariant & kDropout) != 0;
     using Mod = ScoreMod<A, kVariant, false>;
 
     extern __shared__ __align__(16) char smem[];
@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_simt(const __g
     if (key_begin >= seq.seqlen_k) return;  // varlen: a shorter sequence than the grid's
     const int group = f.nheads / f.nheads_k;
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, head_dim = f.head_dim;
-    const Mask<kIsLocal> mask(f, seqlen_q, seqlen_k);
+    const Mask<kVariant> mask(f, seqlen_q, seqlen_k);
     int m_block_begin, m_block_end;
     mask.template m_block_range<kBlockM, kBlockN>(n_block, m_block_begin, m_block_end);
     const int n_mblocks = max(m_block_end - m_block_begin, 0);
@@ -401,7 +401,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dq_simt(const __gri
     static_assert(kRows >= 1 && kBlockM % kThreadsM == 0, "kBlockM must be a multiple of kNWarps * 4");
     static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16");
     static_assert(kHeadDim % (8 * kVec) == 0, "kHeadDim must be a multiple of 32");
-    constexpr bool kIsLocal = (kVariant & kLocal) != 0, kIsDropout = (kVariant & kDropout) != 0;
+    constexpr bool kIsDropout = (kVariant & kDropout) != 0;
     using Mod = ScoreMod<A, kVariant, false>;
 
     extern __shared__ __align__(16) char smem[];
@@ -432,7 +432,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dq_simt(const __gri
     if (row_begin >= seq.seqlen_q) return;  // varlen: a shorter sequence than the grid's
     const int kv_head = head / (f.nheads / f.nheads_k);
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, head_dim = f.head_dim;
-    const Mask<kIsLocal> mask(f, seqlen_q, seqlen_k);
+    const Mask<kVariant> mask(f, seqlen_q, seqlen_k);
     const Mod mod(f, batch, head, mask.shift);
     int n_block_min, n_block_end;
     mask.template n_block_range<kBlockM, kBlockN>(m_block, n_block_min, n_block_end);

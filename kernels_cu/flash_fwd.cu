@@ -41,7 +41,6 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const __grid_constant_
     // Q's A fragments stay in registers when small; otherwise they are re-read from sQ per key block.
     constexpr bool kQInRegs = kMTiles * kHeadDim <= 128;
     constexpr unsigned kSmemBytes = (kBlockM + 2 * kBlockN) * kPitch * sizeof(T);
-    constexpr bool kIsLocal = (kVariant & kLocal) != 0;
     using Mod = ScoreMod<float, kVariant, true>;
 
     unsigned dyn_smem;
@@ -62,7 +61,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const __grid_constant_
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane >> 2, t = lane & 3;
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, head_dim = p.head_dim;
-    const Mask<kIsLocal> mask(p, seq.seqlen_q, seq.seqlen_k);
+    const Mask<kVariant> mask(p, seq.seqlen_q, seq.seqlen_k);
     const Mod mod(p, batch, head, mask.shift);
     int n_block_min, n_block_end;
     mask.template n_block_range<kBlockM, kBlockN>(m_block, n_block_min, n_block_end);

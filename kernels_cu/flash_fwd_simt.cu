@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_simt(const __grid_c
     static_assert(kRows >= 1 && kBlockM % kThreadsM == 0, "kBlockM must be a multiple of kNWarps * 4");
     static_assert(kCols >= 1 && kBlockN % kThreadsN == 0 && kBlockN % 16 == 0, "kBlockN must be a multiple of 16");
     static_assert(kHeadDim % (kThreadsN * kVec) == 0, "kHeadDim must be a multiple of 32");
-    constexpr bool kIsLocal = (kVariant & kLocal) != 0, kIsDropout = (kVariant & kDropout) != 0;
+    constexpr bool kIsDropout = (kVariant & kDropout) != 0;
     using Mod = ScoreMod<A, kVariant, false>;
 
     extern __shared__ __align__(16) char smem[];
@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_simt(const __grid_c
     if (row_begin >= seq.seqlen_q) return;  // varlen: a shorter sequence than the grid's
     const int kv_head = head / (p.nheads / p.nheads_k);
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, head_dim = p.head_dim;
-    const Mask<kIsLocal> mask(p, seqlen_q, seqlen_k);
+    const Mask<kVariant> mask(p, seqlen_q, seqlen_k);
     const Mod mod(p, batch, head, mask.shift);
     int n_block_min, n_block_end;
     mask.template n_block_range<kBlockM, kBlockN>(m_block, n_block_min, n_block_end);

@@ -5,7 +5,8 @@
 // values come from FwdParams at run time. Query row i sits at key position i' = i + seqlen_k -
 // seqlen_q (the diagonal aligned bottom-right, as in FlashAttention 2.1+):
 // - kLocal: row i sees keys i' - left .. i' + right (-1: unbounded); causal is right = 0. Key blocks
-//   that no row of a query block sees are skipped (Mask::n_block_range), not masked.
+//   that no row of a query block sees are skipped (Mask::n_block_range), not masked. kLocal alone is
+//   causal, its bounds compiled in; kLocal | kWindow reads both bounds from the params.
 // - kSoftcap: the logit s = softmax_scale * q.k becomes softcap * tanh(s / softcap).
 // - kAlibi: -slope * |i' - j| is added to the logit (after the softcap).
 // - kDropout: dropout.cuh.
@@ -18,19 +19,24 @@
 
 namespace cuflash {
 
-// kVariant bits (cuflash/config.py: LOCAL, SOFTCAP, ALIBI, DROPOUT, VARLEN).
+// kVariant bits (cuflash/config.py: LOCAL, SOFTCAP, ALIBI, DROPOUT, VARLEN, WINDOW).
 constexpr int kLocal = 1;
 constexpr int kSoftcap = 2;
 constexpr int kAlibi = 4;
 constexpr int kDropout = 8;
 constexpr int kVarlen = 16;
+constexpr int kWindow = 32;  // with kLocal: a sliding window, its bounds from the params
 
 // A window bound of -1 (unbounded) as the params hold it (cuflash/_params.py writes it): far enough
 // that no row + shift + bound overflows.
 constexpr int kUnbounded = 1 << 30;
 
-template <bool kIsLocal>
+template <int kVariant>
 struct Mask {
+    static constexpr bool kIsLocal = (kVariant & kLocal) != 0;
+    // kLocal alone is causal: right = 0 and no left bound, fixed at compile time. kWindow: both
+    // bounds from the params (causal folded in by the host).
+    static constexpr bool kHasWindow = kIsLocal && (kVariant & kWindow) != 0;
     const FwdParams& p;  // window_left / window_right are read where used: constant-bank operands, no registers
     int seqlen_q, seqlen_k;
     int shift;           // seqlen_k - seqlen_q: row i sits at key position i + shift
@@ -39,11 +45,11 @@ struct Mask {
     __device__ __forceinline__ Mask(const FwdParams& p_, int seqlen_q_, int seqlen_k_)
         : p(p_), seqlen_q(seqlen_q_), seqlen_k(seqlen_k_), shift(seqlen_k_ - seqlen_q_) {}
     // The window in keys; the host writes kUnbounded for -1
-    __device__ __forceinline__ int left() const { return p.window_left; }
-    __device__ __forceinline__ int right() const { return p.window_right; }
+    __device__ __forceinline__ int left() const { return kHasWindow ? p.window_left : kUnbounded; }
+    __device__ __forceinline__ int right() const { return kHasWindow ? p.window_right : 0; }
 
     // [1] Keys a row sees: [col_lo(row), col_hi(row)), inside the sequence and the window
-    __device__ __forceinline__ int col_lo(int row) const { return kIsLocal ? max(0, row + shift - left()) : 0; }
+    __device__ __forceinline__ int col_lo(int row) const { return kHasWindow ? max(0, row + shift - left()) : 0; }
     __device__ __forceinline__ int col_hi(int row) const {
         return kIsLocal ? min(seqlen_k, row + shift + right() + 1) : seqlen_k;
     }
@@ -52,7 +58,7 @@ struct Mask {
     __device__ __forceinline__ bool visible(int row, int col) const {
         if (!kIsLocal) return col < seqlen_k;
         const int off = col - row;
-        return col < seqlen_k && off >= shift - left() && off <= shift + right();
+        return col < seqlen_k && (!kHasWindow || off >= shift - left()) && off <= shift + right();
     }
 
     // [2] Key blocks a query block visits: [lo, hi), those some row of the block sees (lo >= hi: none)
@@ -69,7 +75,7 @@ struct Mask {
     __device__ __forceinline__ void m_block_range(int n_block, int& lo, int& hi) const {
         const int col0 = n_block * kBlockN, col1 = min(col0 + kBlockN, seqlen_k);
         const int r0 = kIsLocal ? max(0, col0 - right() - shift) : 0;
-        const int r1 = kIsLocal ? min(seqlen_q, col1 - 1 + left() - shift + 1) : seqlen_q;
+        const int r1 = kHasWindow ? min(seqlen_q, col1 - 1 + left() - shift + 1) : seqlen_q;
         lo = r0 / kBlockM;
         hi = r1 > r0 ? ceil_div(r1, kBlockM) : lo;
     }
@@ -81,7 +87,7 @@ struct Mask {
         if (col1 > seqlen_k) return true;
         if (!kIsLocal) return false;
         const int row0 = m_block * kBlockM, row1 = min(row0 + kBlockM, seqlen_q);
-        return col1 - 1 > row0 + shift + right() || col0 < row1 - 1 + shift - left();
+        return col1 - 1 > row0 + shift + right() || (kHasWindow && col0 < row1 - 1 + shift - left());
     }
 };
 

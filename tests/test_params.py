@@ -115,7 +115,8 @@ def test_variant_fields_are_packed():
     assert (int(plain["window_left"]), int(plain["window_right"])) == (_params.UNBOUNDED,) * 2
     assert int(plain["alibi_slopes"]) == 0 and int(plain["cu_seqlens_q"]) == 0
     assert _params.variant(True) == config.LOCAL and _params.variant(False) == 0
-    assert _params.variant(False, None, window=(-1, 4), softcap=1.0) == config.LOCAL | config.SOFTCAP
+    assert _params.variant(True, None, window=(-1, 4)) == config.LOCAL  # causal folds it to (-1, 0)
+    assert _params.variant(False, None, window=(-1, 4), softcap=1.0) == config.LOCAL | config.WINDOW | config.SOFTCAP
     assert _params.variant(False, ("cu",), dropout_p=0.1) == config.DROPOUT | config.VARLEN
 
 

@@ -156,7 +156,7 @@ def variant_bits(name: str, case: Case) -> int:
     from .. import config
 
     kw = VARIANTS[name][0]
-    return config.variant_bits(local=case.causal or "window" in kw, softcap="softcap" in kw,
+    return config.variant_bits(local=case.causal, window="window" in kw, softcap="softcap" in kw,
                                alibi="alibi_slopes" in kw, dropout="dropout_p" in kw, varlen=name == "varlen")
 
 
