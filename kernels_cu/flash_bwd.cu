@@ -73,10 +73,11 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_preprocess(const __gri
 //   config.smem_bytes: (2 * block_n + 2 * block_m) * (head_dim + 8) * 2
 //                      + (kWM > 1 ? 2 * block_n * (block_m + 8) * 2 : 0) + 2 * block_m * 4
 //
-// Launch bounds: minBlocks 0 leaves ptxas its occupancy heuristic, except at d = 32 with a mask, where
-// the heuristic trims to 128 registers and spills (the compile gate, sm_90): there 1 lifts the trim.
+// Launch bounds: minBlocks 0 leaves ptxas its occupancy heuristic, except at d <= 64 with a mask, where
+// the heuristic trims to an occupancy step (128 or 168 registers) and spills (the compile gate, sm_80
+// and sm_90): there 1 lifts the trim.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kVariant>
-__global__ void __launch_bounds__(kNWarps * 32, kHeadDim == 32 && (kVariant & kLocal) ? 1 : 0)
+__global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kLocal) ? 1 : 0)
     flash_bwd_dkdv(const __grid_constant__ BwdParams p) {
     static_assert(sizeof(T) == 2, "tensor-core kernel: __half or __nv_bfloat16");
     static_assert(kBlockN % 16 == 0 && kNWarps % (kBlockN / 16) == 0, "16 key rows per warp");
