@@ -58,19 +58,22 @@ def kept(threshold, word, half):
 
 
 @cuda.jit(device=True)
+def pick(w0, w1, w2, w3, word):
+    # word `word` of a Philox call's four (a register array's element in CUDA)
+    if word == 0:
+        return w0
+    if word == 1:
+        return w1
+    if word == 2:
+        return w2
+    return w3
+
+
+@cuda.jit(device=True)
 def keep(key0, key1, bh, offset, threshold, row, col):
     # [2] Keep flag of one score (SIMT kernels): a whole Philox call for one draw
     w0, w1, w2, w3 = draws(key0, key1, bh, offset, row // 16, col // 16, row % 8, col % 8 // 2)
-    word = 2 * (row % 16 // 8) + col % 16 // 8
-    if word == 0:
-        w = w0
-    elif word == 1:
-        w = w1
-    elif word == 2:
-        w = w2
-    else:
-        w = w3
-    return kept(threshold, w, col % 2)
+    return kept(threshold, pick(w0, w1, w2, w3, 2 * (row % 16 // 8) + col % 16 // 8), col % 2)
 
 
 @cuda.jit(device=True)
@@ -88,13 +91,5 @@ def keep_tile(key0, key1, bh, offset, threshold, flags, row0, col0):
                     for i in range(4):  # i = 2h + e: row g + 8h
                         h = i >> 1
                         e = i & 1
-                        word = 2 * h + hc
-                        if word == 0:
-                            w = w0
-                        elif word == 1:
-                            w = w1
-                        elif word == 2:
-                            w = w2
-                        else:
-                            w = w3
+                        w = pick(w0, w1, w2, w3, 2 * h + hc)
                         flags[16 * mi + g + 8 * h, 16 * np_ + 8 * hc + 2 * t + e] = kept(threshold, w, e)
