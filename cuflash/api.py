@@ -33,17 +33,17 @@ def _plain(window, softcap, alibi_slopes, dropout_p, seed, offset) -> bool:
             and seed is _ZERO and offset is _ZERO)
 
 
-def _choose(name: str) -> tuple[str, bool]:
-    """(the backend a request runs on, whether backend='auto' chose it)."""
+def _choose(name: str) -> str:
+    """The backend a request runs on (backend='auto': cuda where a GPU is usable, else numpy)."""
     _checks.check_backend(name)
     if name == "auto":
-        return ("cuda" if _interop.gpu_status()[0] else "numpy"), True
-    return name, False
+        return "cuda" if _interop.gpu_status()[0] else "numpy"
+    return name
 
 
 def _backend(name: str):
     """The backend module for a request; a RuntimeError says why a forced one cannot run here."""
-    name, auto = _choose(name)
+    name = _choose(name)
     mod = importlib.import_module(f".backends.{name}", __package__)
     ok, why = mod.available()
     if not ok:
