@@ -43,8 +43,8 @@ struct FwdParams {
     int window_left;               // row i sees keys i' - left .. i' + right (i' = i + seqlen_k - seqlen_q);
     int window_right;              // unbounded: kUnbounded (mask.cuh) where the API says -1; causal is right = 0
     float softcap;                 // > 0: scores become softcap * tanh(score / softcap)
-    unsigned int dropout_threshold;   // a score is kept iff its 16-bit Philox draw is >= this: floor(p * 65536)
-    unsigned int offset;              // dropout: the fourth Philox counter word
+    unsigned int dropout_threshold; // a score is kept iff its 16-bit Philox draw is >= this: floor(p * 65536)
+    unsigned int offset;           // dropout: the fourth Philox counter word
 };
 
 struct BwdParams {
