@@ -152,12 +152,11 @@ def variant_call(name: str, case: Case) -> tuple[dict, dict | None, int | None, 
 
 
 def variant_bits(name: str, case: Case) -> int:
-    """The kernels' kVariant of one variants-suite row (pure)."""
-    from .. import config
+    """The kernels' kVariant of one variants-suite row (pure): the rule a call's arguments go through."""
+    from .. import _params
 
-    kw = VARIANTS[name][0]
-    return config.variant_bits(local=case.causal, window="window" in kw, softcap="softcap" in kw,
-                               alibi="alibi_slopes" in kw, dropout="dropout_p" in kw, varlen=name == "varlen")
+    kw, _, _, varlen = variant_call(name, case)
+    return _params.variant(case.causal, True if varlen else None, **kw)
 
 
 def tiles_visited(name: str, case: Case) -> int:
@@ -165,8 +164,7 @@ def tiles_visited(name: str, case: Case) -> int:
     from .. import _mask, config
 
     cfg = config.choose_forward(case.dtype, case.head_dim, variant_bits(name, case))
-    w = VARIANTS[name][0].get("window")
-    left, right = (-1, 0 if case.causal else -1) if w is None else ((w, 0) if case.causal else (w // 2, w // 2))
+    left, right = _mask.effective_window(case.causal, variant_call(name, case)[0].get("window", _mask.NO_WINDOW))
     n = case.seqlen_q
     return sum(hi - lo for lo, hi in (_mask.n_block_range(m, cfg.block_m, cfg.block_n, n, n, left, right)
                                       for m in range(-(-n // cfg.block_m))))
