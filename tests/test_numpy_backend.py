@@ -169,6 +169,10 @@ def test_available():
 @given(sq=st.integers(1, 150), sk=st.integers(1, 150), causal=st.booleans(),
        block_m=st.sampled_from([16, 32, 64]), block_n=st.sampled_from([16, 32, 64]))
 def test_block_ranges(sq, sk, causal, block_m, block_n):
+    """cuflash/_mask.py's block rules (which the backend's _Variants use) with causal folded in."""
+    from cuflash import _mask
+
+    lr = _mask.effective_window(causal)
     i = np.arange(sq)[:, None]
     j = np.arange(sk)[None, :]
     visible = (j <= i + sk - sq) if causal else np.ones((sq, sk), bool)
@@ -176,16 +180,17 @@ def test_block_ranges(sq, sk, causal, block_m, block_n):
         rows = visible[m_block * block_m:(m_block + 1) * block_m]
         cols = np.nonzero(rows.any(axis=0))[0]
         want = cols.max() // block_n + 1 if cols.size else 0  # last key block with a visible pair
-        assert nb._n_block_max(m_block, block_m, block_n, sq, sk, causal) == want
+        assert _mask.n_block_range(m_block, block_m, block_n, sq, sk, *lr)[1] == want
         for n_block in range(math.ceil(sk / block_n)):
             tile = rows[:, n_block * block_n:(n_block + 1) * block_n]
             full = tile.shape[1] == block_n and tile.all()
-            if not nb._block_needs_mask(m_block, n_block, block_m, block_n, sq, sk, causal):
+            m0, m1 = m_block * block_m, min((m_block + 1) * block_m, sq)
+            if not _mask.block_needs_mask(m0, m1, n_block * block_n, (n_block + 1) * block_n, sq, sk, *lr):
                 assert full  # skipping the mask is only allowed on a wholly visible tile
     for n_block in range(math.ceil(sk / block_n)):
         keys = visible[:, n_block * block_n:(n_block + 1) * block_n]
         first_row = np.nonzero(keys.any(axis=1))[0].min()  # every key sees some row (the last)
-        assert nb._m_block_min(n_block, block_m, block_n, sq, sk, causal) == first_row // block_m
+        assert _mask.m_block_range(n_block, block_m, block_n, sq, sk, *lr)[0] == first_row // block_m
 
 
 # --- property test over random small shapes -----------------------------------------------------------

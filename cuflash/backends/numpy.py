@@ -39,25 +39,6 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# --- kernels_cu/mask.cuh, mirrored (the rules live in cuflash/_mask.py) -------------------------------
-
-
-def _n_block_max(m_block, block_m, block_n, seqlen_q, seqlen_k, causal) -> int:
-    """Key blocks query block m_block must visit; causal skips those wholly above the diagonal."""
-    return _mask.n_block_range(m_block, block_m, block_n, seqlen_q, seqlen_k, *_mask.effective_window(causal))[1]
-
-
-def _m_block_min(n_block, block_m, block_n, seqlen_q, seqlen_k, causal) -> int:
-    """First query block that sees any column of key block n_block."""
-    return _mask.m_block_range(n_block, block_m, block_n, seqlen_q, seqlen_k, *_mask.effective_window(causal))[0]
-
-
-def _block_needs_mask(m_block, n_block, block_m, block_n, seqlen_q, seqlen_k, causal) -> bool:
-    m0, m1 = m_block * block_m, min((m_block + 1) * block_m, seqlen_q)
-    return _mask.block_needs_mask(m0, m1, n_block * block_n, (n_block + 1) * block_n, seqlen_q, seqlen_k,
-                                  *_mask.effective_window(causal))
-
-
 class _Variants:
     """What a call's variants need per tile: the window, the score transform (softmax_scale, softcap,
     ALiBi, applied in natural units before the mask) and the dropout keep mask."""
