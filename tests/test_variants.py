@@ -1,7 +1,7 @@
 """Attention variants (issue 14, the Python stage): sliding window, softcap, ALiBi, dropout and
 variable-length batches. The tiled NumPy backend against the reference, the reference against
-finite differences, the Philox generator against Random123's known answers, the public API's
-checks and the refusal of backends without the variants. CPU only."""
+finite differences, the Philox generator against Random123's known answers, and the public API's
+checks. CPU only."""
 
 import math
 
@@ -411,7 +411,7 @@ def re_escape(s):
 
 
 def test_window_that_is_only_causal_is_plain():
-    """causal with window (-1, 0) or (-1, 5) is plain causal attention: no variant to refuse."""
+    """causal with window (-1, 0) or (-1, 5) is plain causal attention: no variant kernel, the plan cache."""
     _, what = api._variants(True, (-1, 5), 0.0, None, 0.0, 0, 0, 1, 2)
     assert what == []
     _, what = api._variants(False, (-1, 5), 0.0, None, 0.0, 0, 0, 1, 2)
