@@ -411,7 +411,7 @@ def re_escape(s):
 
 
 def test_window_that_is_only_causal_is_plain():
-    """causal with window (-1, 0) or (-1, 5) is plain causal attention: no variant kernel, the plan cache."""
+    """causal with window (-1, 0) or (-1, 5) is plain causal attention: the plain kernel runs (no variant bit)."""
     _, what = api._variants(True, (-1, 5), 0.0, None, 0.0, 0, 0, 1, 2)
     assert what == []
     _, what = api._variants(False, (-1, 5), 0.0, None, 0.0, 0, 0, 1, 2)
