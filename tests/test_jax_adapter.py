@@ -504,7 +504,8 @@ def test_gpu_jit_runs_on_xla_buffers_and_stream(gpu, monkeypatch):
     monkeypatch.setattr(cfj, "_device_array", device_array)
     monkeypatch.setattr(cfj, "_host_array", host_array)
     monkeypatch.setattr(cfj, "_run_on_buffers", run_on_buffers)
-    q, k, v = _gpu_inputs(dev, "bfloat16", [(1, 128, 2, 64), (1, 128, 2, 64), (1, 128, 2, 64)], 12)
+    # float16: a bfloat16 buffer may have no __cuda_array_interface__ typestr (cuflash imports through DLPack)
+    q, k, v = _gpu_inputs(dev, "float16", [(1, 128, 2, 64), (1, 128, 2, 64), (1, 128, 2, 64)], 12)
     dq = jax.jit(jax.grad(lambda q: cfj.flash_attn(q, k, v, causal=True).astype(jnp.float32).sum()))(q)
     dq.block_until_ready()
     assert len(seen["streams"]) == 2 and seen["host"] == 0 and seen["device"] == 5 + 9  # fwd 2 + 3, bwd 3 + 6
