@@ -326,9 +326,9 @@ def _callback(run, types, *args):
     platform = _platform()
     if platform != "cpu":
         raise RuntimeError(
-            f"cuflash.jax under jax.jit on {platform!r} needs jax.experimental.buffer_callback (JAX {jax.__version__} "
-            "has none; it came with JAX 0.7): cuflash.jax never routes device arrays through the host. Upgrade "
-            "JAX, or call cuflash.jax outside jax.jit")
+            f"cuflash.jax under jax.jit on {platform!r} needs jax.experimental.buffer_callback, which JAX "
+            f"{jax.__version__} lacks: cuflash.jax never routes device arrays through the host. Upgrade JAX to a "
+            "version with buffer_callback, or call cuflash.jax outside jax.jit")
 
     def host(*arrays):
         outs = [np.empty(t.shape, t.dtype) for t in types]
