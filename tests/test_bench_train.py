@@ -410,6 +410,7 @@ def test_cli_skips_train_without_a_gpu(monkeypatch, tmp_path):
     t = doc["suites"]["train"]
     assert (t["status"], t["rows"], t["params"]["seqlen"]) == ("skipped", [], 64)
     assert set(doc["suites"]) == {"train", "memory", "accuracy"}
+    assert lines[1] in report.markdown(doc["suites"]).splitlines()  # RESULTS files say it too
 
 
 # ------------------------------------------------------------------------------------------------

@@ -851,15 +851,20 @@ def to_markdown(t: Table) -> str:
     return "\n".join(lines + (["", t.caption] if t.caption else []))
 
 
+def no_rows_line(name: str, suite: dict) -> str:
+    """The one line that stands for a suite without rows (a skipped suite: why)."""
+    if suite.get("status") == "skipped" and suite.get("reason"):
+        return f"{name} ({suite.get('platform')}, skipped): {suite['reason']}"
+    return f"{name} ({suite.get('platform')}, {suite.get('status')}): no rows" + (
+        f" ({suite['reason']})" if suite.get("reason") else "")
+
+
 def render(console, suites: dict) -> None:
     """Every suite's tables, then its summary lines."""
     for name, suite in suites.items():
         ts = tables(name, suite)
-        if not ts and suite.get("status") == "skipped" and suite.get("reason"):
-            console.print(f"{name} ({suite.get('platform')}, skipped): {suite['reason']}", markup=False)
-        elif not ts:
-            console.print(f"{name} ({suite.get('platform')}, {suite.get('status')}): no rows"
-                          + (f" ({suite['reason']})" if suite.get("reason") else ""), markup=False)
+        if not ts:
+            console.print(no_rows_line(name, suite), markup=False)
         for t in ts:
             console.print(to_rich(t))
         for line in summary_lines(name, suite):
@@ -871,7 +876,8 @@ def markdown(suites: dict) -> str:
     top = headline(suites)
     parts = [to_markdown(top)] if top else []
     for name, suite in suites.items():
-        parts += [to_markdown(t) for t in tables(name, suite)]
+        ts = tables(name, suite)
+        parts += [to_markdown(t) for t in ts] if ts else [no_rows_line(name, suite)]
         parts += summary_lines(name, suite)
     return "\n\n".join(parts) + "\n"
 
