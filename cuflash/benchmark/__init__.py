@@ -1,12 +1,14 @@
 """`cuflash bench`: latency, throughput, memory, launch overhead, accuracy and energy of cuflash
-against a conventional materialized attention and PyTorch's SDPA backends.
+against a conventional materialized attention and PyTorch's SDPA backends, and the end-to-end step
+of a small GPT trained with each (train).
 
 Modules: timing (statistics, CUDA-event and host timers), memory (peak-allocation trackers),
 energy (NVML), baselines (the implementations being compared), suites (what each suite runs),
-report (JSON schema, meta, ratio columns, tables), plots (matplotlib), command (the click command).
+report (JSON schema, meta, ratio columns, tables), plots (matplotlib), command (the click command),
+train (the train suite's GPT, its training step and the attention-kernel classifier).
 Nothing here imports CuPy, torch or NVML at module import time: the command must run without a GPU.
 """
 
-SUITES = ("seqlen", "headdim", "memory", "launch", "accuracy", "energy", "variants")
+SUITES = ("seqlen", "headdim", "memory", "launch", "accuracy", "energy", "variants", "train")
 
 __all__ = ["SUITES"]

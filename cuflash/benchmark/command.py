@@ -123,12 +123,14 @@ def parse_png(ctx, param, value) -> str | None:
                    "(float32 on the CPU). The accuracy suite always covers float32, float16, bfloat16.")
 @click.option("--causal/--no-causal", default=True, show_default=True, help="Causal (bottom-right) mask.")
 @click.option("--batch", type=click.IntRange(min=1), default=None,
-              help="Batch size (default 2; accuracy 1; CPU 1). The headdim suite is fixed: B=1, H*d=1024.")
-@click.option("--heads", type=click.IntRange(min=1), default=None, help="Heads (default 8; accuracy 4; CPU 2).")
+              help="Batch size (default 2; accuracy 1; CPU 1; train 4). The headdim suite is fixed: B=1, H*d=1024.")
+@click.option("--heads", type=click.IntRange(min=1), default=None,
+              help="Heads (default 8; accuracy 4; CPU 2; train 1024 / head dim).")
 @click.option("--head-dim", type=int, callback=parse_head_dim, default=None,
-              help="Head dim, a multiple of 8 up to 256 (default 128; CPU 64).")
+              help="Head dim, a multiple of 8 up to 256 (default 128; CPU 64; train 64).")
 @click.option("--seqlens", callback=parse_seqlens, default=None, metavar="N[,N...]",
-              help="Sequence lengths for seqlen, memory, launch and accuracy (energy uses the largest). "
+              help="Sequence lengths for seqlen, memory, launch and accuracy (energy, variants and train use the "
+                   "largest). "
                    "Default: seqlen 512..16384 doubling; launch B1 H8 N128 d64, B2 H8 N4096 d128, "
                    "B4 H16 N8192 d128 (--seqlens, --batch or --heads replace these shapes).")
 @click.option("--backends", callback=parse_backends, default=None, metavar="NAME[,NAME...]",
@@ -156,9 +158,10 @@ def bench(suites, dtype, causal, batch, heads, head_dim, seqlens, backends, json
     """Benchmark cuflash against materialized attention and PyTorch's SDPA backends.
 
     Figures are the median of >= 10 timed runs after warm-up (CUDA events); the JSON keeps min and
-    max. The launch suite reports host time per cached call beside torch SDPA's. Without a GPU (or
-    with --cpu) it runs the memory and accuracy suites of the NumPy backend against materialized
-    NumPy at small N instead, whatever --suite says.
+    max. The launch suite reports host time per cached call beside torch SDPA's; the train suite times
+    a GPT training step with each attention and attention's share of it. Without a GPU (or with --cpu)
+    it runs the memory and accuracy suites of the NumPy backend against materialized NumPy at small N
+    instead, whatever --suite says (train is skipped, with one line saying so).
     """
     from rich.console import Console
 

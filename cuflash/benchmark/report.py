@@ -29,7 +29,7 @@ meta (all keys present; a value is null where it cannot be known)::
     versions          object         python, numpy, cupy, torch, ml_dtypes, matplotlib (null if absent)
     notes             [str]          anything a reader must know (fallbacks taken, precompile time)
 
-suites[name] (name in seqlen, headdim, memory, launch, accuracy, energy)::
+suites[name] (name in seqlen, headdim, memory, launch, accuracy, energy, variants, train)::
 
     platform   "gpu" | "cpu"
     status     "ok" | "partial" (some rows not ok) | "skipped" | "error"
@@ -42,7 +42,9 @@ suites[name] (name in seqlen, headdim, memory, launch, accuracy, energy)::
                      memory: "ratio_by_n" {mode: [{"seqlen", "ratio"}]}, "loglog_slope" {mode: float|null},
                      "ratio_growth" {mode: float|null}, "ratio_of";  accuracy: "matmul" {dtype: note},
                      "atol" {dtype: float};  energy: "idle_w" float|null;  launch: "host_timing" str;
-                     "error" suites: "traceback".
+                     train: "model" {vocab, seqlen, layers, width, nheads}, "flops_per_step";
+                     "error" suites: "traceback". A suite that cannot run on this platform (train on the
+                     CPU, or without torch with CUDA) is "skipped" with no rows and says why in reason.
 
 Every row has these keys (values null where they do not apply)::
 
@@ -87,6 +89,21 @@ Row keys by suite (on status "ok" rows):
                      Reproducibility rows: output "all", bitwise_reproducible (bool), repeats.
     energy           calls, window_s, ms_per_call, joules_per_call, joules_per_call_above_idle,
                      avg_power_w, avg_power_above_idle_w.
+    train            one row per implementation of attention ("cuflash", "torch-flash", "torch-cudnn") in a
+                     GPT training step, mode "fwd_bwd", shape = the attention's (B, H, N, N, d), dtype
+                     "bfloat16" (autocast). ms_* = step time (CUDA events around each timed step, behind a spin
+                     kernel), n_runs (timed steps, >= 10), host_enqueue_ms_est, tokens_per_s, flops (nominal
+                     per step: 6 per weight per token for every Linear, reference.flops for attention),
+                     tflops, peak_bytes = torch_peak_bytes (max_memory_allocated from the last warm-up step
+                     on, above what was allocated before this implementation's model copy) + cupy_pool_bytes (bytes
+                     CuPy's pool holds: an upper bound of cuflash's allocations there, null without CuPy),
+                     loss (of the last timed step), loss_first_step, steps_run (the same for every row),
+                     optimizer; from torch.profiler over profiled_steps more steps: attention_share (device
+                     time of attention kernels over all kernels'; null where not profiled, with
+                     profile_reason), attention_ms_per_step, kernel_ms_per_step, kernels_per_step,
+                     attention_kernels and other_kernels ([{"name", "ms_per_step"}], the top few by time:
+                     how train.is_attention_kernel classified them), profile_seconds. The cuflash row has
+                     speedup_vs_<impl> = step ms of impl / step ms of cuflash; the others cuflash_speedup.
 
 A "ok" row of a timing suite (seqlen, headdim, launch) must have numbers with
 ms_min <= ms_median <= ms_max and n_runs >= 10. `validate(doc)` checks all of this.
@@ -119,7 +136,7 @@ SHAPE_KEYS = ("batch", "nheads", "seqlen_q", "seqlen_k", "head_dim")
 ROW_STATUS = ("ok", "unavailable", "OOM", "skipped", "error")
 SUITE_STATUS = ("ok", "partial", "skipped", "error")
 MODES = ("fwd", "bwd", "fwd_bwd")
-TIMING_SUITES = ("seqlen", "headdim", "launch", "variants")
+TIMING_SUITES = ("seqlen", "headdim", "launch", "variants", "train")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -344,6 +361,18 @@ def _validate_row(suite: str, where: str, row) -> list[str]:
         for k in ("joules_per_call", "joules_per_call_above_idle", "avg_power_above_idle_w", "calls"):
             if not _num(row.get(k)):
                 errs.append(f"{where}.{k} must be a number")
+    if ok and suite == "train":
+        if not _num(row.get("tokens_per_s")):
+            errs.append(f"{where}.tokens_per_s must be a number")
+        if not (isinstance(row.get("peak_bytes"), int) and row["peak_bytes"] >= 0):
+            errs.append(f"{where}.peak_bytes must be a non-negative int")
+        if row.get("loss") is not None and not _num(row["loss"]):
+            errs.append(f"{where}.loss must be a finite number or null")
+        share = row.get("attention_share")
+        if share is not None and not (_num(share) and 0 <= share <= 1):
+            errs.append(f"{where}.attention_share must be a number in [0, 1] or null")
+        if not isinstance(row.get("attention_kernels", []), list):
+            errs.append(f"{where}.attention_kernels must be a list")
     for k, v in row.items():
         if k.startswith(("speedup_vs_", "mem_ratio_vs_", "host_ratio_vs_")) and not _num(v):
             errs.append(f"{where}.{k} must be a finite number")
@@ -681,6 +710,65 @@ def _variants_tables(rows: list[dict], title: str, caption: str) -> list[Table]:
     return [t]
 
 
+TRAIN_REFS = ("torch-cudnn", "torch-flash")  # the train table's ratio columns: their step time over each row's
+
+
+def _train_tables(rows: list[dict], title: str, p: dict) -> list[Table]:
+    """One row per implementation: step time, tokens/s, attention's time and share of the step, peak memory,
+    loss, and each torch backend's step time over this row's; then the kernels counted as attention."""
+    refs = [i for i in TRAIN_REFS if any(r["implementation"] == i and _ok(r) for r in rows)]
+    header = ["implementation", "step ms", "tokens/s", "TFLOP/s", "attention ms", "attention share", "peak GiB",
+              "loss", *(f"{i} ms / this" for i in refs)]
+    model = (f"GPT {p.get('layers')} layers, width {p.get('width')}, {p.get('nheads')} heads of {p.get('head_dim')}, "
+             f"N={p.get('seqlen')}, vocab {p.get('vocab')}, batch {p.get('batch')}; {p.get('precision')}; "
+             f"{p.get('optimizer')}")
+    how = (f"step ms: median of {p.get('timed_steps')} steps (CUDA events); attention: device time of attention "
+           f"kernels per step and its share of all kernels' (torch.profiler, {p.get('profiled_steps')} steps); loss "
+           f"after the same steps from the same weights and batches; <impl> ms / this above 1: this step is faster")
+    t = Table(f"{title}: GPT training step", header, caption=f"{model}. {how}", text_cols=1)
+    ms = {r["implementation"]: r["ms_median"] for r in rows if _ok(r)}
+    for r in rows:
+        line = [_head([r], r["implementation"])]
+        if _ok(r):
+            share = r.get("attention_share")
+            peak = r.get("peak_bytes")
+            line += [_fmt(r["ms_median"], ".1f"), _fmt(r.get("tokens_per_s"), ",.0f"), _fmt(r["tflops"], ".0f"),
+                     _fmt(r.get("attention_ms_per_step") if share is not None else None, ".1f"),
+                     "-" if share is None else f"{share:.1%}", "-" if peak is None else f"{peak / 2**30:.2f}",
+                     _fmt(r.get("loss"), ".4f")]
+            line += [_fmt(ms[i] / r["ms_median"], ".2f") if r["ms_median"] else "-" for i in refs]
+        else:
+            line += [r["status"]] + [""] * (len(header) - 2)
+        t.rows.append(line)
+    k = Table(f"{title}: kernels counted as attention (top by device time)", ["implementation", "kernel", "ms / step"],
+              caption="train.is_attention_kernel: a kernel name holding flash, cudnn, sdpa or fmha", text_cols=2)
+    for r in rows:
+        for x in (r.get("attention_kernels") or [])[:3]:
+            k.rows.append([r["implementation"], x["name"][:90], _fmt(x["ms_per_step"], ".2f")])
+    return [t] + ([k] if k.rows else [])
+
+
+def _train_lines(suite: dict) -> list[str]:
+    """What a faster attention kernel buys end to end: cuflash's step and attention time against each torch's."""
+    ok = {r["implementation"]: r for r in suite.get("rows", []) if _ok(r)}
+    out = [f"train: {r['implementation']} not profiled: {r['profile_reason']}" for r in ok.values()
+           if r.get("profile_reason")]
+    ours = ok.get("cuflash")
+    for ref in TRAIN_REFS if ours else ():
+        if ref not in ok:
+            continue
+        b = ok[ref]
+        line = (f"train: cuflash step {ours['ms_median']:.1f} ms, {ref} {b['ms_median']:.1f} ms "
+                f"({b['ms_median'] / ours['ms_median']:.2f}x)")
+        if ours.get("attention_share") is not None and b.get("attention_share") is not None:
+            line += (f"; attention {ours['attention_ms_per_step']:.1f} against {b['attention_ms_per_step']:.1f} ms "
+                     f"per step ({ours['attention_share']:.0%} and {b['attention_share']:.0%} of the kernels' time)")
+        if ours.get("loss") is not None and b.get("loss") is not None:
+            line += f"; loss {ours['loss']:.4f} against {b['loss']:.4f}"
+        out.append(line)
+    return out
+
+
 def _not_run_table(name: str, rows: list[dict]) -> list[Table]:
     bad = [r for r in rows if r["status"] not in ("ok", "skipped")]
     reasons = list(dict.fromkeys(f"{r['implementation']}: {r['status']}: {r['reason']}" for r in bad))
@@ -704,6 +792,8 @@ def tables(name: str, suite: dict) -> list[Table]:
         out = _launch_tables(rows, title, caption, suite.get("host_timing") or "")
     elif name == "variants":
         out = _variants_tables(rows, title, caption)
+    elif name == "train":
+        out = _train_tables(rows, title, suite.get("params") or {})
     else:
         out = _energy_tables(rows, title, caption)
     return out + _not_run_table(name, rows)
@@ -735,6 +825,8 @@ def summary_lines(name: str, suite: dict) -> list[str]:
                        f"log-log slope {_fmt(slope, '.2f')} (0 would be a constant ratio)")
     if name == "energy" and suite.get("idle_w") is not None:
         out.append(f"energy: idle power {suite['idle_w']:.0f} W subtracted")
+    if name == "train":
+        out += _train_lines(suite)
     return out
 
 
@@ -759,13 +851,20 @@ def to_markdown(t: Table) -> str:
     return "\n".join(lines + (["", t.caption] if t.caption else []))
 
 
+def no_rows_line(name: str, suite: dict) -> str:
+    """The one line that stands for a suite without rows (a skipped suite: why)."""
+    if suite.get("status") == "skipped" and suite.get("reason"):
+        return f"{name} ({suite.get('platform')}, skipped): {suite['reason']}"
+    return f"{name} ({suite.get('platform')}, {suite.get('status')}): no rows" + (
+        f" ({suite['reason']})" if suite.get("reason") else "")
+
+
 def render(console, suites: dict) -> None:
     """Every suite's tables, then its summary lines."""
     for name, suite in suites.items():
         ts = tables(name, suite)
         if not ts:
-            console.print(f"{name} ({suite.get('platform')}, {suite.get('status')}): no rows"
-                          + (f" ({suite['reason']})" if suite.get("reason") else ""), markup=False)
+            console.print(no_rows_line(name, suite), markup=False)
         for t in ts:
             console.print(to_rich(t))
         for line in summary_lines(name, suite):
@@ -777,7 +876,8 @@ def markdown(suites: dict) -> str:
     top = headline(suites)
     parts = [to_markdown(top)] if top else []
     for name, suite in suites.items():
-        parts += [to_markdown(t) for t in tables(name, suite)]
+        ts = tables(name, suite)
+        parts += [to_markdown(t) for t in ts] if ts else [no_rows_line(name, suite)]
         parts += summary_lines(name, suite)
     return "\n\n".join(parts) + "\n"
 

@@ -1,4 +1,4 @@
-"""What each suite runs, on a GPU and (memory, accuracy) on the CPU.
+"""What each suite runs, on a GPU and (memory, accuracy) on the CPU (train: GPU only, skipped on the CPU).
 
 `suite_params` and `suite_cases` are pure: the sweep of each suite for the given options, GPU or
 CPU. `Runner` runs suites and returns their JSON objects (see report.py for the schema). Every cell
@@ -41,9 +41,13 @@ from .report import (
     memory_summary,
     suite_status,
 )
+from .timing import MIN_RUNS
+from .train import TRAIN_IMPLS
 
 ACCURACY_DTYPES = ("float32", "float16", "bfloat16")
 CPU_SUITES = ("memory", "accuracy")
+GPU_ONLY = ("train",)  # no CPU stand-in: on the CPU a suite object says it was skipped, and why
+TRAIN_ON_CPU = "it times a torch training step on a CUDA GPU (torch with CUDA); this run is on the CPU"
 # launch: (batch, nheads, seqlen, head_dim) when no --seqlens / --batch / --heads is given
 LAUNCH_SHAPES = ((1, 8, 128, 64), (2, 8, 4096, 128), (4, 16, 8192, 128))
 OUTPUTS = {"o": "fwd", "dq": "bwd", "dk": "bwd", "dv": "bwd"}  # accuracy: each output and the call giving it
@@ -138,7 +142,27 @@ def suite_params(name: str, s: Settings, platform: str) -> dict:
     if name == "variants":
         return {**base, "seqlen": max(s.seqlens) if s.seqlens else (2048 if q else 8192), "modes": ["fwd", "fwd_bwd"],
                 "variants": list(VARIANTS)}
+    if name == "train":
+        return train_params(s)
     raise ValueError(f"unknown suite {name!r}")
+
+
+def train_params(s: Settings) -> dict:
+    """The train suite's GPT and run (pure). Default: 12 layers, width 1024, 16 heads of 64, N 4096, vocab
+    50304, batch 4; quick: 2 layers, N 1024, batch 2. --head-dim sets head_dim, --heads nheads (default
+    1024 // head_dim: width nheads * head_dim), --batch the batch, --seqlens the sequence (the largest);
+    --backends picks among cuflash, torch-flash, torch-cudnn. Always bf16 autocast and causal."""
+    q = s.quick
+    d = s.head_dim or 64
+    h = s.heads or max(1, 1024 // d)
+    return {"batch": s.batch or (2 if q else 4), "nheads": h, "head_dim": d, "width": h * d,
+            "layers": 2 if q else 12, "seqlen": max(s.seqlens) if s.seqlens else (1024 if q else 4096),
+            "vocab": 50304, "dtype": "bfloat16", "causal": True, "modes": ["fwd_bwd"],
+            "precision": "bf16 autocast, fp32 parameters (the optimizer's master weights)",
+            "optimizer": "AdamW, lr 1e-4 (fused=True where torch supports it)", "lr": 1e-4,
+            "data": "4 batches rotated; each sequence a random 256-token segment repeated",
+            "warmup_steps": max(1, s.warmup), "timed_steps": max(MIN_RUNS, s.repeats), "profiled_steps": 2 if q else 3,
+            "implementations": [i for i in TRAIN_IMPLS if i in s.backends]}
 
 
 def variant_call(name: str, case: Case) -> tuple[dict, dict | None, int | None, bool]:
@@ -178,7 +202,7 @@ def suite_cases(name: str, p: dict) -> list[Case]:
     if name == "launch":
         return [Case(x["batch"], x["nheads"], x["seqlen"], x["seqlen"], x["head_dim"], p["dtype"], p["causal"])
                 for x in p["shapes"]]
-    if name in ("energy", "variants"):
+    if name in ("energy", "variants", "train"):
         return [Case(p["batch"], p["nheads"], p["seqlen"], p["seqlen"], p["head_dim"], p["dtype"], p["causal"])]
     if name == "accuracy":
         return [Case(p["batch"], p["nheads"], n, n, p["head_dim"], dt, p["causal"])
@@ -197,6 +221,8 @@ def cell_count(name: str, p: dict, n_impls: int) -> int:
         return cases * len(p["modes"])
     if name == "variants":
         return len(p["variants"])
+    if name == "train":  # timing, then profiling, each implementation
+        return 2 * len(p["implementations"])
     return cases * n_impls
 
 
@@ -288,6 +314,10 @@ class Runner:
                 self._energy_setup()  # idle power first, before anything has warmed the GPU
             self._precompile(names)
         suites = {}
+        if platform == "cpu":  # first, so that its line is printed before the CPU suites' tables
+            for name in (n for n in GPU_ONLY if n in self.s.suites):
+                suites[name] = {"platform": "cpu", "status": "skipped", "reason": TRAIN_ON_CPU, "seconds": 0.0,
+                                "params": suite_params(name, self.s, "gpu"), "rows": []}
         for name in names:
             fn = self._speed if name in ("seqlen", "headdim") else getattr(self, "_" + name)
             suites[name] = self._run_suite(name, fn)
@@ -556,6 +586,57 @@ class Runner:
                 r["time_vs_plain"] = r["ms_median"] / plain["ms_median"]
                 r["tiles_vs_plain"] = r["tiles"] / plain["tiles"]
         return {}
+
+    def _train(self, p: dict, budget: Budget, rows: list) -> dict:
+        """A GPT training step (bf16 autocast, AdamW) with each implementation of attention: step time (CUDA
+        events, median of the timed steps), tokens/s, peak memory, the loss after the same steps from the same
+        weights on the same batches; then attention kernels' share of the step's device time (torch.profiler).
+        Every implementation is timed before any is profiled: a profiler session never precedes a timing."""
+        from . import train
+
+        ok, why = train.torch_cuda_status()
+        if not ok:
+            return {"reason": f"it needs torch with CUDA ({why})"}
+        (case,) = suite_cases("train", p)
+        env = train.CudaEnv()
+        cfg = train.GPTConfig.of(p)
+        setup = functools.cache(lambda: (train.build_model(cfg, env.device, self.s.seed),  # at first use
+                                         train.make_batches(cfg, p["batch"], 4, env.device, self.s.seed)))
+        trainers = {}
+        for name in p["implementations"]:
+            self.step(f"{name}: {p['warmup_steps']} + 1 + {p['timed_steps']} steps")
+            impl = train.implementation(name)
+
+            def measure():
+                model0, batches = setup()
+                env.sync()
+                base = env.allocated()  # the other implementations' models stay out of this one's peak
+                t = train.Trainer(model0, batches, impl.fn(), p["lr"], env)
+                trainers[name] = (t, impl)
+                return train.time_steps(t, p, base)
+
+            self._cell(rows, budget, case, impl, "fwd_bwd", measure)
+            if rows[-1]["status"] != "ok":
+                trainers.pop(name, None)
+                self._free()
+        for r in rows:  # profile, in the same order
+            self.step(f"{r['implementation']}: profile {p['profiled_steps']} steps")
+            t, impl = trainers.pop(r["implementation"], (None, None))
+            if t is None:
+                continue
+            if budget.expired():
+                r.update(attention_share=None, profile_reason=SKIPPED)
+                continue
+            try:
+                with impl.context():
+                    r.update(train.profile_steps(t, p["profiled_steps"]))
+            except Exception as e:
+                r.update(attention_share=None, profile_reason=short_reason(e))
+            t = None
+            self._free()
+        setup = None
+        add_speedups(rows, "cuflash")
+        return {"model": dataclasses.asdict(cfg), "flops_per_step": train.step_flops(p)}
 
     def _graph_row(self, case: Case, mode: str, fn) -> dict:
         """Capture fn into a CUDA graph on a side stream and time its replay (device and host)."""
