@@ -96,9 +96,14 @@ class _Call:
         return _interop.to_working("out", out, self.on_device)
 
     def write_back(self, out, work) -> None:
-        """Copy a temporary result into the caller's `out=` (host out with a device backend)."""
-        if _interop.is_numpy(out) and not _interop.is_numpy(work):
-            out[...] = _interop.to_host(work)
+        """Copy a temporary result into the caller's `out=`: host out with a device backend, or
+        device out (CuPy, torch CUDA, any device DLPack array) with a host backend."""
+        if _interop.is_numpy(out):
+            if not _interop.is_numpy(work):
+                out[...] = _interop.to_host(work)
+        elif _interop.is_numpy(work) and not self.on_device and self.caller.device_id is not None:
+            with self.caller.stream_context():  # torch callers: on torch's current stream
+                _interop.to_working("out", out, True)[...] = _interop.to_working("result", work, True)
 
     def result(self, y):
         return self.caller.result(y)

@@ -146,6 +146,35 @@ def test_torch_out_is_written_in_place(gpu):
         assert cp.from_dlpack(x).data.ptr == x.data_ptr(), f"{name}: DLPack view is not the tensor's memory [{ctx}]"
 
 
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+def test_device_outs_with_a_host_backend(gpu, kind):
+    """backend="numpy" on device arrays with out= / dq= dk= dv=: the host results are copied into the
+    caller's device arrays (the same objects come back), equal to what the CUDA backend gives."""
+    cp, cf = gpu.cp, gpu.cuflash
+    dtype, b, sq, sk, h, hk, d, causal = "float32", 1, 40, 56, 2, 1, 32, True
+    ctx = gpu.ctx(dtype, b, sq, sk, h, hk, d, causal, extra=f"{kind} outs, numpy backend")
+    rs = gpu.rng(ctx)
+    xs = [gpu.randn(rs, s, dtype) for s in ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d), (b, sq, h, d))]
+    if kind == "torch":
+        torch = _torch()
+        xs = [torch.from_dlpack(x) for x in xs]
+        fresh = lambda x: torch.full_like(x, math.nan)  # noqa: E731
+    else:
+        fresh = gpu.nan_like
+    q, k, v, do = xs
+    o_cuda, lse_cuda = cf.flash_attn_forward(q, k, v, causal=causal, backend="cuda")
+    g_cuda = cf.flash_attn_backward(do, q, k, v, o_cuda, lse_cuda, causal=causal, backend="cuda")
+    out = fresh(q)
+    o, lse = cf.flash_attn_forward(q, k, v, causal=causal, backend="numpy", out=out)
+    grads = [fresh(x) for x in (q, k, v)]
+    got = cf.flash_attn_backward(do, q, k, v, o, lse, causal=causal, backend="numpy", dq=grads[0], dk=grads[1],
+                                 dv=grads[2])
+    assert o is out and all(a is b for a, b in zip(got, grads)), f"the given arrays must come back [{ctx}]"
+    for name, x, y in zip(("o", "dq", "dk", "dv"), (o, *got), (o_cuda, *g_cuda)):
+        err = float(cp.max(cp.abs(cp.from_dlpack(x) - cp.from_dlpack(y))))
+        assert err < 1e-5, f"{name}: max |numpy - cuda| = {err} (NaN: not written back) [{ctx}]"
+
+
 def test_torch_strided_inputs(gpu):
     """Non-contiguous torch views (row stride > head_dim, a transposed k) give correct results."""
     torch = _torch()
