@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import time
 
 import click
 import pytest
@@ -21,6 +20,7 @@ from cuflash.benchmark.command import bench
 from cuflash.benchmark.suites import (SKIPPED, Runner, Settings, cell_count, kernel_configs, suite_cases,
                                       suite_params, total_steps)
 from cuflash.benchmark.timing import MIN_RUNS
+from test_bench_cli import FakeClock
 
 
 def invoke(args):
@@ -249,32 +249,13 @@ def test_batches_and_training_steps():
 # The suite's GPU code path, run on the CPU
 
 
-class HostClock:
-    """train.CudaEnv's clock, on the host."""
-
-    def event(self):
-        return [0.0]
-
-    def record(self, ev):
-        ev[0] = time.perf_counter()
-
-    def elapsed_ms(self, a, b):
-        return (b[0] - a[0]) * 1e3
-
-    def sync(self):
-        pass
-
-    def spin(self, ms):
-        pass
-
-
 class CpuEnv(train.CudaEnv):
     """train.CudaEnv on the CPU: float32 (no autocast), host clock, made-up memory and kernel times."""
 
     device = "cpu"
 
     def clock(self):
-        return HostClock()
+        return FakeClock()
 
     def sync(self):
         pass

@@ -25,6 +25,7 @@ import cuflash.jax as cfj  # noqa: E402
 from cuflash import reference as ref  # noqa: E402
 
 from conftest import FP32_FORWARD_ATOL, RULE_ATOL  # noqa: E402
+from test_variants import varlen_inputs  # noqa: E402
 
 
 @pytest.fixture
@@ -203,15 +204,6 @@ def test_alibi_slopes_get_zero_gradient(x64):
     s = jnp.asarray(slopes((2,)))
     g = jax.grad(lambda s: cfj.flash_attn(q, k, v, alibi_slopes=s).sum())(s)
     assert g.shape == s.shape and not np.asarray(g).any()
-
-
-def varlen_inputs(lens_q, lens_k, h=4, hk=2, d=16, dtype=np.float64, seed=0):
-    rng = np.random.default_rng(seed)
-    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
-    q, w = (rng.standard_normal((cu_q[-1], h, d)).astype(dtype) for _ in range(2))
-    k, v = (rng.standard_normal((cu_k[-1], hk, d)).astype(dtype) for _ in range(2))
-    return q, k, v, w, cu_q, cu_k
 
 
 @pytest.mark.parametrize("case", ["plain", "causal_window_softcap_alibi", "dropout_causal"])
