@@ -85,7 +85,8 @@ def backward_key(do, q, k, v, o, lse, dq, dk, dv, causal, softmax_scale, layout,
 
 class _Kind:
     """How the fast path treats one array kind on one device: pointers, the allocator (`same`: a new
-    array with another's dtype and device; `new`: with a given dtype), the current stream."""
+    C-contiguous array with another's dtype and device; `new`: with a given dtype; `like`: `same` with
+    another's shape, for a C-contiguous one only), the current stream."""
 
     def __init__(self, caller):
         from cupy.cuda.runtime import getDevice
@@ -98,6 +99,8 @@ class _Kind:
             ndarray, current = cupy.ndarray, cupy.cuda.get_current_stream
             self.ptr = _cupy_ptr
             self.same = lambda like, shape: ndarray(shape, like.dtype)
+            self.like = lambda like: ndarray(like.shape, like.dtype)
+            self.contiguous = lambda x: x.flags.c_contiguous
             self.new = lambda like, shape, dtype: ndarray(shape, dtype)
             self.dtype = lambda np_dtype: np_dtype
             self.stream = lambda: current().ptr
@@ -106,6 +109,8 @@ class _Kind:
 
             self.ptr = torch.Tensor.data_ptr
             self.same = torch.Tensor.new_empty  # cheaper than torch.empty: no dtype or device to parse
+            self.like = torch.empty_like  # cheaper still (no shape to parse); C-contiguous given C-contiguous
+            self.contiguous = torch.Tensor.is_contiguous
             self.new = lambda like, shape, dtype: like.new_empty(shape, dtype=dtype)
             self.dtype = lambda np_dtype: getattr(torch, np_dtype.name)
             raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -160,6 +165,7 @@ class ForwardPlan:
         self.kind = kind = _Kind(caller)
         self.launches = launches
         self.o_shape = tuple(q.shape)
+        self.o_like = kind.contiguous(q)  # o as q, so empty_like makes it (the signature fixes q's strides)
         self.lse_shape, self.lse_dtype = tuple(lse_shape), kind.dtype(lse_dtype)
         self.spans = None if out is None else (_span(out), _span(q), _span(k), _span(v))
         self.general = general  # the general path (a functools.partial of api._forward), for what this does not serve
@@ -172,7 +178,10 @@ class ForwardPlan:
         if ((pq | pk | pv | po) & MISALIGNED or kind.current_device() != kind.device
                 or (out is not None and _overlaps(self.spans, po, pq, pk, pv))):
             return self.general(q, k, v, out=out)
-        o = kind.same(q, self.o_shape) if out is None else out
+        if out is None:
+            o = kind.like(q) if self.o_like else kind.same(q, self.o_shape)
+        else:
+            o = out
         lse = kind.new(q, self.lse_shape, self.lse_dtype)
         L = self.launches
         with L.lock:
@@ -185,10 +194,12 @@ class BackwardPlan:
     """One backward signature: its launches, and how to allocate dq, dk, dv and the D workspace."""
 
     def __init__(self, caller, launches, do, q, k, v, o, lse, grads, general):
-        self.kind = _Kind(caller)
+        self.kind = kind = _Kind(caller)
         self.launches = launches
         self.shapes = tuple(tuple(x.shape) for x in (q, k, v))
         self.dsum_shape = tuple(lse.shape)
+        # dq, dk, dv and D shaped as C-contiguous q, k, v and lse: empty_like makes them
+        self.like = all(map(kind.contiguous, (q, k, v, lse)))
         # dq=, dk=, dv= given: their spans, and those of everything they must not overlap
         self.grads_given = any(x is not None for x in grads)
         if self.grads_given:
@@ -202,14 +213,17 @@ class BackwardPlan:
         if (pdo | pq | pk | pv | po) & MISALIGNED or kind.current_device() != kind.device:
             return self.general(do, q, k, v, o, lse, dq=dq, dk=dk, dv=dv)
         same = kind.same
-        if not self.grads_given:
+        if self.like and not self.grads_given:
+            like = kind.like
+            grads = [like(q), like(k), like(v)]
+        elif not self.grads_given:
             grads = [same(q, shape) for shape in self.shapes]
         else:
             grads = [x if x is not None else same(q, shape) for x, shape in zip((dq, dk, dv), self.shapes)]
             ptrs = [ptr(x) for x in (*grads, do, q, k, v, o, lse)]
             if any(p & MISALIGNED for p in ptrs[:3]) or _any_overlap(self.spans, ptrs):
                 return self.general(do, q, k, v, o, lse, dq=dq, dk=dk, dv=dv)
-        dsum = same(lse, self.dsum_shape)
+        dsum = kind.like(lse) if self.like else same(lse, self.dsum_shape)
         L = self.launches
         with L.lock:
             L.patch(_params.FWD_POINTERS, pq, pk, pv, po, ptr(lse))

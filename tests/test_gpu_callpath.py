@@ -92,27 +92,40 @@ def test_misaligned_inputs(gpu, kind, dtype, offset):
     gpu.check(ctx, dtype, causal, None, *(_cupy(x) for x in (q, k, v, do, *ref)))
 
 
-def test_plan_cache_serves_repeated_calls(gpu, monkeypatch):
-    """The second call of a signature never reaches the general path; another signature does."""
-    cp, cf = gpu.cp, gpu.cuflash
-    b, s, h, d = 2, 256, 4, 64
-    ctx = gpu.ctx("bfloat16", b, s, s, h, h, d, True, extra="plan cache")
-    q, k, v, do = _inputs(gpu, "cupy", "bfloat16", (b, s, h, d), (b, s, h, d), ctx)
+def _layout_inputs(gpu, kind, layout, b, s, h, hk, d, key):
+    """q, k, v, dout in "bshd": C-contiguous, or strided views of (b, h, s, d) arrays."""
+    if layout == "contiguous":
+        return _inputs(gpu, kind, "bfloat16", (b, s, h, d), (b, s, hk, d), key)
+    xs = _inputs(gpu, "cupy", "bfloat16", (b, h, s, d), (b, hk, s, d), key)
+    return [_as(kind, x.transpose(0, 2, 1, 3)) for x in xs]
+
+
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_plan_cache_serves_repeated_calls(gpu, monkeypatch, kind, layout):
+    """The second call of a signature never reaches the general path and gives the general path's
+    results, bitwise, in arrays of the same type and strides; another signature does reach it."""
+    cf = gpu.cuflash
+    b, s, h, hk, d = 2, 256, 4, 2, 64
+    ctx = gpu.ctx("bfloat16", b, s, s, h, hk, d, True, extra=f"plan cache, {kind}, {layout}")
+    q, k, v, do = _layout_inputs(gpu, kind, layout, b, s, h, hk, d, ctx)
     o, lse = cf.flash_attn_forward(q, k, v, causal=True)
     g = cf.flash_attn_backward(do, q, k, v, o, lse, causal=True)
     general = []
     real_fwd, real_bwd = api._forward, api._backward
     monkeypatch.setattr(api, "_forward", lambda *a, **kw: (general.append("fwd"), real_fwd(*a, **kw))[1])
     monkeypatch.setattr(api, "_backward", lambda *a, **kw: (general.append("bwd"), real_bwd(*a, **kw))[1])
-    q2, k2, v2, do2 = (x.copy() for x in (q, k, v, do))
+    q2, k2, v2, do2 = _layout_inputs(gpu, kind, layout, b, s, h, hk, d, ctx)
     o2, lse2 = cf.flash_attn_forward(q2, k2, v2, causal=True)
     g2 = cf.flash_attn_backward(do2, q2, k2, v2, o2, lse2, causal=True)
     assert general == [], f"a cached signature took the general path: {general} [{ctx}]"
     for name, x, y in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, *g), (o2, lse2, *g2)):
-        assert isinstance(y, cp.ndarray) and gpu.same_bits(x, y) == 0, f"{name}: plan result differs [{ctx}]"
+        assert type(y) is type(q) and y.shape == x.shape, f"{name}: {type(y)} {y.shape} [{ctx}]"
+        assert _cupy(y).strides == _cupy(x).strides, f"{name}: strides {_cupy(y).strides} [{ctx}]"
+        assert _bits_equal(gpu, x, y) == 0, f"{name}: plan result differs [{ctx}]"
     cf.flash_attn_forward(q, k, v, causal=False)
     assert general == ["fwd"], f"a new signature (causal=False) must take the general path once: {general}"
-    gpu.check(ctx, "bfloat16", True, None, q, k, v, do, o2, lse2, *g2)
+    gpu.check(ctx, "bfloat16", True, None, *map(_cupy, (q, k, v, do, o2, lse2, *g2)))
 
 
 def test_cached_call_still_rejects_bad_input(gpu):
