@@ -67,6 +67,12 @@ VARIANT_NAMES = {LOCAL: "local", SOFTCAP: "softcap", ALIBI: "alibi", DROPOUT: "d
 ALL_VARIANTS = LOCAL | SOFTCAP | ALIBI | DROPOUT | VARLEN | WINDOW
 
 
+def longest_first(variant: int) -> bool:
+    """Do the forward and dQ grids run query blocks last to first? (kernels_cu/mask.cuh query_block:
+    causal alone, where the last query blocks have the most key blocks to visit)."""
+    return (variant & (LOCAL | WINDOW | SOFTCAP | ALIBI | DROPOUT)) == LOCAL
+
+
 def variant_bits(*, local=False, softcap=False, alibi=False, dropout=False, varlen=False, window=False) -> int:
     """kVariant of a call; window: its mask is a sliding window, not causal alone (implies local)."""
     bits = ((LOCAL, local or window), (SOFTCAP, softcap), (ALIBI, alibi), (DROPOUT, dropout), (VARLEN, varlen),

@@ -378,7 +378,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dq(const __grid_consta
     T* sV = sK + kBlockN * kPitch;
 
     // [10] dQ block coordinates: m_block, head, batch; the mask gives the key blocks to visit
-    const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+    const int m_block = query_block<kVariant>(), head = blockIdx.y, batch = blockIdx.z;
     const SeqInfo<(kVariant & kVarlen) != 0> seq(p.fwd, batch);
     const int row_begin = m_block * kBlockM;
     if (row_begin >= seq.seqlen_q) return;  // varlen: a shorter sequence than the grid's

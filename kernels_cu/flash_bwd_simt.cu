@@ -424,7 +424,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dq_simt(const __gri
     const FwdParams& f = p.fwd;
 
     // [10] dQ block coordinates: m_block, head, batch; the mask gives the key blocks to visit
-    const int m_block = blockIdx.x;
+    const int m_block = query_block<kVariant>();
     const int head = blockIdx.y;
     const int batch = blockIdx.z;
     const SeqInfo<(kVariant & kVarlen) != 0> seq(f, batch);

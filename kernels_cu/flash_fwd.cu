@@ -53,7 +53,9 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const __grid_constant_
     T* sV = sK + kBlockN * kPitch;
 
     // [1] Block coordinates: m_block, head, batch; the mask gives the key blocks to visit
-    const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+    // longest first: under a causal mask the last query blocks visit the most key blocks, so
+    // they are launched first and the grid's tail is short blocks
+    const int m_block = query_block<kVariant>(), head = blockIdx.y, batch = blockIdx.z;
     const SeqInfo<(kVariant & kVarlen) != 0> seq(p, batch);
     const int row_begin = m_block * kBlockM;
     if (row_begin >= seq.seqlen_q) return;  // varlen: a shorter sequence than the grid's

@@ -31,6 +31,16 @@ constexpr int kWindow = 32;  // with kLocal: a sliding window, its bounds from t
 // that no row + shift + bound overflows.
 constexpr int kUnbounded = 1 << 30;
 
+// The query block of this thread block, longest first: under a causal mask the last query blocks
+// visit the most key blocks, so the grid launches them first and its tail is short blocks. Causal
+// alone (a window's blocks are alike), and not with softcap, ALiBi or dropout: those kernels sit at
+// the register limit and the reversed index spills there. config.longest_first says the same.
+template <int kVariant>
+__device__ __forceinline__ int query_block() {
+    constexpr bool kLongestFirst = (kVariant & (kLocal | kWindow | kSoftcap | kAlibi | kDropout)) == kLocal;
+    return kLongestFirst ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
+}
+
 template <int kVariant>
 struct Mask {
     static constexpr bool kIsLocal = (kVariant & kLocal) != 0;

@@ -99,3 +99,13 @@ def test_tiles_are_consistent():
         assert c.block_m % 16 == 0 and c.block_n % 16 == 0 or c.kernel.endswith("simt"), c
         assert c.threads <= 1024 and c.smem_bytes >= 0
         assert c.smem_bytes <= config.SMEM_LIMIT[80], c
+
+
+def test_longest_first_is_causal_alone():
+    """The forward and dQ grids run query blocks last to first only for a causal mask (mask.cuh
+    query_block): a window's blocks are alike, and the heavy variants have no registers to spare."""
+    lf = config.longest_first
+    assert lf(config.LOCAL) and lf(config.LOCAL | config.VARLEN)
+    assert not lf(0) and not lf(config.VARLEN)
+    for bit in (config.WINDOW, config.SOFTCAP, config.ALIBI, config.DROPOUT):
+        assert not lf(config.LOCAL | bit), bit

@@ -40,7 +40,7 @@ import math
 
 from numba import cuda, uint64
 
-from ..config import VARLEN
+from ..config import VARLEN, longest_first
 from .dropout import keep
 from .flash_fwd import acc_type, load_tile, thread_layout, variant_flags
 from .mask import m_block_range, n_block_range, needs_mask, score_mod, visible
@@ -295,6 +295,7 @@ def make_flash_bwd_dkdv(cfg):
 @functools.lru_cache(maxsize=None)
 def make_flash_bwd_dq(cfg):
     HEAD_DIM = cfg.head_dim
+    LONGEST_FIRST = longest_first(cfg.variant)  # mask.cuh query_block
     BLOCK_M = cfg.block_m
     BLOCK_N = cfg.block_n
     NTHREADS = cfg.threads
@@ -308,7 +309,7 @@ def make_flash_bwd_dq(cfg):
                      window_left, window_right, softcap, alibi_slopes, alibi_batch_stride, seed_lo, seed_hi,
                      offset, dropout_threshold, dropout_scale):
         # [10] dQ block coordinates: m_block, head, batch; the mask gives the key blocks to visit
-        m_block = cuda.blockIdx.x
+        m_block = cuda.gridDim.x - 1 - cuda.blockIdx.x if LONGEST_FIRST else cuda.blockIdx.x
         head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
         tid = cuda.threadIdx.x

@@ -48,7 +48,7 @@ import math
 
 from numba import cuda, uint64
 
-from ..config import ALIBI, DROPOUT, LOCAL, SOFTCAP, VARLEN
+from ..config import ALIBI, DROPOUT, LOCAL, SOFTCAP, VARLEN, longest_first
 from .dropout import keep
 from .mask import n_block_range, needs_mask, score_mod, visible
 from .seqinfo import batch_index, seq_info
@@ -115,6 +115,7 @@ def variant_flags(cfg):
 def make_flash_fwd(cfg):
     """The forward kernel for one KernelConfig (any dtype: the 16-bit MMA and SIMT kernels alike)."""
     HEAD_DIM = cfg.head_dim
+    LONGEST_FIRST = longest_first(cfg.variant)  # mask.cuh query_block
     BLOCK_M = cfg.block_m
     BLOCK_N = cfg.block_n
     NTHREADS = cfg.threads
@@ -128,7 +129,7 @@ def make_flash_fwd(cfg):
                   window_right, softcap, alibi_slopes, alibi_batch_stride, seed_lo, seed_hi, offset,
                   dropout_threshold, dropout_scale):
         # [1] Block coordinates: m_block, head, batch; the mask gives the key blocks to visit
-        m_block = cuda.blockIdx.x
+        m_block = cuda.gridDim.x - 1 - cuda.blockIdx.x if LONGEST_FIRST else cuda.blockIdx.x
         head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
         tid = cuda.threadIdx.x
