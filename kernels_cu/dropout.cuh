@@ -72,25 +72,29 @@ struct Dropout {
     }
 
     // The same on the dK/dV kernel's S^T tile (for_each_score_t): a thread holds queries 2t + e (+8)
-    // and keys g (+8) of each 16 x 16 tile, so it needs the calls of lanes (g', t') = (2t + e, g / 2),
-    // two per tile, each giving it 4 of its 8 draws (half g % 2).
+    // and keys g (+8) of each 16 x 16 tile, so it needs the draws of lanes (g', t') = (2t + e, g / 2),
+    // 4 words from each (half g % 2 of every word). Each lane makes its own call, as in
+    // for_each_keep, and takes those 8 words by shuffles: one Philox call per tile, not two.
     template <int kNTiles, typename F>
     __device__ __forceinline__ void for_each_keep_t(float (&acc)[kNTiles][4], int key0, int query0, int lane,
                                                     F&& f) const {
         static_assert(kNTiles % 2 == 0, "16-query tiles");
         const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-        for (int np = 0; np < kNTiles / 2; ++np)
+        for (int np = 0; np < kNTiles / 2; ++np) {
+            const uint4 own = draws(query0 / 16 + np, key0 / 16, g, t);
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                const uint4 w4 = draws(query0 / 16 + np, key0 / 16, 2 * t + e, g / 2);
-                const unsigned w[4] = {w4.x, w4.y, w4.z, w4.w};
+                const int src = (2 * t + e) * 4 + g / 2;  // lane (2t + e, g / 2)
+                const unsigned w[4] = {__shfl_sync(0xFFFFFFFFu, own.x, src), __shfl_sync(0xFFFFFFFFu, own.y, src),
+                                       __shfl_sync(0xFFFFFFFFu, own.z, src), __shfl_sync(0xFFFFFFFFu, own.w, src)};
 #pragma unroll
                 for (int hc = 0; hc < 2; ++hc)  // query 8 hc + 2t + e
 #pragma unroll
                     for (int h = 0; h < 2; ++h)  // key g + 8h
                         f(acc[2 * np + hc][2 * h + e], kept(w[2 * hc + h], g & 1));
             }
+        }
     }
 };
 
