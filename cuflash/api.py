@@ -450,7 +450,7 @@ def _append(k_cache, v_cache, k, v, cache_seqlens, block_table, capacity: int) -
     ok = (pos >= 0) & (pos < capacity)
     pos = xp.clip(pos, 0, max(capacity - 1, 0))
     if block_table is None:
-        first, row = xp.broadcast_to(xp.arange(batch)[:, None], pos.shape), pos
+        first, row = xp.arange(batch, dtype=xp.int64)[:, None] + 0 * pos, pos
     else:
         page_size, num_pages = kc.shape[1], kc.shape[0]
         bt = _interop.to_working("block_table", block_table, dev)
