@@ -111,6 +111,7 @@ def test_numpy_backend_matches_reference(shape, causal):
     o, lse = cuflash.flash_attn_with_kvcache(c["q"], c["k_cache"], c["v_cache"], c["k"], c["v"], cache_seqlens=cs,
                                              causal=causal, return_lse=True, backend="numpy")
     assert_matches(o, lse, *kv_reference(c["q"], c["k_logical"], c["v_logical"], c["counts"], causal=causal), 1e-12)
+    assert isinstance(lens, int) or np.array_equal(cs, lens)  # cache_seqlens itself is not advanced
     # the append, in place: the dense caches are now the logical ones, bit for bit
     assert np.array_equal(c["k_cache"], c["k_logical"]) and np.array_equal(c["v_cache"], c["v_logical"])
     # paged: the same answer, bitwise; the pages hold the appended rows, the spare pages are untouched
