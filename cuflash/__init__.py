@@ -16,8 +16,9 @@ from .api import (  # noqa: E402
     flash_attn_varlen,
     flash_attn_varlen_backward,
     flash_attn_varlen_forward,
+    flash_attn_with_kvcache,
 )
 
 __all__ = ["flash_attn", "flash_attn_forward", "flash_attn_backward", "flash_attn_varlen",
-           "flash_attn_varlen_forward", "flash_attn_varlen_backward", "dropout_mask", "merge_states",
+           "flash_attn_varlen_forward", "flash_attn_varlen_backward", "flash_attn_with_kvcache", "dropout_mask", "merge_states",
            "merge_states_list", "__version__"]

@@ -313,3 +313,104 @@ def check_max_seqlen(name: str, value, longest: int | None) -> int:
     if longest is not None and value < longest:
         raise ValueError(f"{name}: must be >= the longest sequence ({longest}), got {value}")
     return value
+
+
+# --- the KV cache (flash_attn_with_kvcache) ----------------------------------------------------------------
+
+
+def _check_int32(name: str, x, ndim: int, what: str) -> None:
+    check_array(name, x)
+    dt = str(x.dtype)
+    if not dt.endswith("int32") or dt.endswith("uint32"):
+        raise TypeError(f"{name}: dtype must be int32, got {x.dtype}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D array ({what}), got shape {tuple(x.shape)}")
+
+
+def check_kv_cache(q, k_cache, v_cache, block_table) -> tuple[int, int]:
+    """The cache's layout against q: dense (batch, capacity, nheads_k, head_dim), or with block_table
+    int32 (batch, max_pages) page pools (num_pages, page_size, nheads_k, head_dim), page_size a positive
+    multiple of 16. Returns (capacity of an entry, num_pages; 0 when dense)."""
+    if tuple(k_cache.shape) != tuple(v_cache.shape):
+        raise ValueError(f"k_cache and v_cache: shapes must be equal, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    b, _, h, d = q.shape
+    first, rows, hk, kd = k_cache.shape
+    if kd != d:
+        raise ValueError(f"k_cache: head_dim must equal q's ({d}), got {kd}")
+    if hk == 0 or h % hk != 0:
+        raise ValueError(f"k_cache: nheads_k must divide q's nheads ({h}), got nheads_k={hk}")
+    check_head_dim(d)
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        strides, itemsize = _byte_strides(x)
+        if x.shape[-1] > 1 and strides[-1] != itemsize:
+            raise ValueError(f"{name}: the last dimension must be contiguous (the cache is written in place), "
+                             f"got a stride of {strides[-1]} bytes")
+    if block_table is None:
+        if first != b:
+            raise ValueError(f"k_cache: batch must equal q's ({b}), got {first}")
+        return int(rows), 0
+    _check_int32("block_table", block_table, 2, "batch, max_pages")
+    if block_table.shape[0] != b:
+        raise ValueError(f"block_table: batch must equal q's ({b}), got shape {tuple(block_table.shape)}")
+    if rows == 0 or rows % 16 != 0:
+        raise ValueError(f"k_cache: page_size (dimension 1 of a paged cache) must be a positive multiple of 16, "
+                         f"got {rows}")
+    return int(block_table.shape[1]) * int(rows), int(first)
+
+
+def check_new_kv(k, v, like, dtype: str) -> int:
+    """k, v (batch, seqlen_new, nheads_k, head_dim) to append, both or neither: returns seqlen_new (0 for
+    neither). `like`: (batch, nheads_k, head_dim) of the cache."""
+    if (k is None) != (v is None):
+        raise ValueError(f"k and v: pass both (the new keys and values) or neither, got only {'k' if v is None else 'v'}")
+    if k is None:
+        return 0
+    check_same_dtype(dtype, k=k, v=v)
+    b, hk, d = like
+    for name, x in (("k", k), ("v", v)):
+        check_ndim(name, x, "bshd")
+        if (x.shape[0], x.shape[2], x.shape[3]) != (b, hk, d):
+            raise ValueError(f"{name}: expected shape ({b}, seqlen_new, {hk}, {d}) (batch, seqlen_new, nheads_k, "
+                             f"head_dim of the cache), got {tuple(x.shape)}")
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"k and v: shapes must be equal, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    return int(k.shape[1])
+
+
+def check_cache_seqlens(cache_seqlens, batch: int) -> None:
+    """cache_seqlens: an int >= 0, or an int32 array of shape (batch,)."""
+    if _is_int(cache_seqlens):
+        if cache_seqlens < 0:
+            raise ValueError(f"cache_seqlens: expected an int >= 0, got {cache_seqlens}")
+        return
+    if not hasattr(cache_seqlens, "dtype"):
+        raise TypeError(f"cache_seqlens: expected an int or an int32 array (batch,), got "
+                        f"{type(cache_seqlens).__name__}")
+    _check_int32("cache_seqlens", cache_seqlens, 1, "batch")
+    if cache_seqlens.shape[0] != batch:
+        raise ValueError(f"cache_seqlens: expected shape ({batch},) (batch), got {tuple(cache_seqlens.shape)}")
+
+
+def check_cache_seqlens_values(values, seqlen_new: int, capacity: int, paged: bool) -> None:
+    """Host values: each >= 0, and cache_seqlens + seqlen_new within an entry's capacity."""
+    values = np.asarray(values, dtype=np.int64).reshape(-1)
+    if (values < 0).any():
+        at = int(np.nonzero(values < 0)[0][0])
+        raise ValueError(f"cache_seqlens: must be >= 0, got {int(values[at])} at index {at}")
+    over = values + seqlen_new > capacity
+    if over.any():
+        at = int(np.nonzero(over)[0][0])
+        what = "max_pages * page_size of block_table and k_cache" if paged else "k_cache's dimension 1"
+        raise ValueError(f"cache_seqlens: cache_seqlens + seqlen_new must be <= the cache's capacity {capacity} "
+                         f"({what}), got {int(values[at])} + {seqlen_new} at index {at}")
+
+
+def check_block_table_values(values, num_pages: int) -> None:
+    """Host values: every entry a page of the pool, in [0, num_pages) (pad unused slots with a valid page)."""
+    values = np.asarray(values)
+    bad = (values < 0) | (values >= num_pages)
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"block_table: entries must be page indices in [0, num_pages={num_pages}), got "
+                         f"{int(values[at])} at {at}")

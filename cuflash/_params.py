@@ -30,6 +30,8 @@ FWD_PARAMS = np.dtype(
         ("cu_seqlens_q", _ptr), ("cu_seqlens_k", _ptr), ("alibi_slopes", _ptr), ("alibi_batch_stride", _i64),
         ("seed", np.uint64), ("dropout_scale", _f64), ("window_left", _i32), ("window_right", _i32),
         ("softcap", _f32), ("dropout_threshold", np.uint32), ("offset", np.uint32),
+        ("seqused_k", _ptr), ("block_table", _ptr), ("block_table_batch_stride", _i64),
+        ("page_size", _i32), ("num_pages", _i32),
     ],
     align=True,
 )
@@ -75,13 +77,14 @@ def _set_bhs(p, name: str, a) -> None:
 
 
 def variant(causal: bool, varlen=None, window=_mask.NO_WINDOW, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-            **_) -> int:
-    """The kVariant bits a call needs (config.LOCAL, SOFTCAP, ALIBI, DROPOUT, VARLEN, WINDOW): LOCAL alone
-    for causal, LOCAL | WINDOW for any other window."""
+            kvcache=None, **_) -> int:
+    """The kVariant bits a call needs (config.LOCAL, SOFTCAP, ALIBI, DROPOUT, VARLEN, WINDOW, SEQUSED, PAGED):
+    LOCAL alone for causal, LOCAL | WINDOW for any other window; kvcache: (seqused_k, block_table or None)."""
     left, right = _mask.effective_window(causal, window)
     return variant_bits(local=not _mask.is_plain(left, right), window=(left, right) not in ((-1, -1), (-1, 0)),
                         softcap=bool(softcap), alibi=alibi_slopes is not None, dropout=bool(dropout_p),
-                        varlen=varlen is not None)
+                        varlen=varlen is not None, seqused=kvcache is not None,
+                        paged=kvcache is not None and kvcache[1] is not None)
 
 
 def fwd_params(q, k, v, o, lse, softmax_scale: float, causal: bool, varlen=None, **variants):
@@ -90,14 +93,19 @@ def fwd_params(q, k, v, o, lse, softmax_scale: float, causal: bool, varlen=None,
 
     varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) with q/k/v/o the packed arrays
     as (1, total, heads, head_dim) views and lse (1, heads, total_q): batch strides become 0 and the
-    kernels take each sequence's rows from cu_seqlens."""
+    kernels take each sequence's rows from cu_seqlens.
+
+    kvcache: (seqused_k, block_table) with k, v the cache: dense (batch, capacity, heads_k, head_dim)
+    with block_table None, or page pools (num_pages, page_size, heads_k, head_dim) with block_table int32
+    (batch, max_pages); seqused_k int32 (batch,), the key count of each entry (the kernels clamp it to
+    the capacity: capacity, or max_pages * page_size)."""
     p = np.zeros((), dtype=FWD_PARAMS)
     _fill_fwd(p, q, k, v, o, lse, softmax_scale, causal, varlen, **variants)
     return p
 
 
 def _fill_fwd(p, q, k, v, o, lse, softmax_scale: float, causal: bool, varlen=None, window=_mask.NO_WINDOW,
-              softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=0, offset=0) -> None:
+              softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=0, offset=0, kvcache=None) -> None:
     p["q"], p["k"], p["v"], p["o"], p["lse"] = (_ptr_of(a) for a in (q, k, v, o, lse))
     for name, a in (("q", q), ("k", k), ("v", v), ("o", o)):
         _set_bshd(p, name, a)
@@ -120,6 +128,14 @@ def _fill_fwd(p, q, k, v, o, lse, softmax_scale: float, causal: bool, varlen=Non
         p["alibi_batch_stride"] = alibi_slopes.strides[0] // alibi_slopes.itemsize if alibi_slopes.ndim == 2 else 0
     p["seed"], p["offset"] = seed, offset
     p["dropout_threshold"], p["dropout_scale"] = _philox.threshold(dropout_p), 1.0 / (1.0 - dropout_p)
+    if kvcache is not None:
+        seqused_k, block_table = kvcache
+        p["seqused_k"] = _ptr_of(seqused_k)
+        if block_table is not None:
+            p["block_table"] = _ptr_of(block_table)
+            p["block_table_batch_stride"] = block_table.strides[0] // block_table.itemsize
+            p["num_pages"], p["page_size"] = k.shape[0], k.shape[1]
+            p["seqlen_k"] = block_table.shape[1] * k.shape[1]  # the capacity of an entry
 
 
 def bwd_params(do, q, k, v, o, lse, dq, dk, dv, dsum, softmax_scale: float, causal: bool, varlen=None, **variants):

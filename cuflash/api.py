@@ -413,6 +413,127 @@ def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, 
     return tuple(a if x is not None else call.result(a) for a, x in zip(arrs, (dq, dk, dv)))
 
 
+# --- decoding: attention over a KV cache ---------------------------------------------------------------------
+
+
+def _on_device(x) -> bool:
+    """Is x in GPU memory (CuPy, torch CUDA, any device DLPack producer)?"""
+    if _interop.is_numpy(x):
+        return False
+    if _interop.is_cupy(x):
+        return True
+    return hasattr(x, "__dlpack_device__") and _interop._is_device_dlpack(x)
+
+
+def _bits(x):
+    """x viewed as unsigned integers of its item size: a copy of raw bits needs no dtype support
+    (CuPy has no bfloat16 arithmetic)."""
+    return x.view({2: "uint16", 4: "uint32", 8: "uint64"}[x.dtype.itemsize])
+
+
+def _append(k_cache, v_cache, k, v, cache_seqlens, block_table, capacity: int) -> None:
+    """k, v into the caches at logical rows cache_seqlens[b] .. + seqlen_new - 1, in the caches' own
+    memory (NumPy, or CuPy on the current stream). Unchecked device values are clamped so that nothing
+    is written outside the caches: a row past an entry's capacity, or on a page outside the pool, is
+    dropped (the clamped slot it lands on is rewritten with its own contents, racing any valid write
+    there: such an entry's last row is then unspecified)."""
+    dev = _on_device(k_cache)
+    xp = importlib.import_module("cupy" if dev else "numpy")
+    kc, vc = (_bits(_interop.to_working(n, x, dev)) for n, x in (("k_cache", k_cache), ("v_cache", v_cache)))
+    kn, vn = (_bits(_interop.to_working(n, x, dev)) for n, x in (("k", k), ("v", v)))
+    batch, seqlen_new = kn.shape[0], kn.shape[1]
+    if _checks._is_int(cache_seqlens):
+        start = xp.full((batch, 1), int(cache_seqlens), dtype=xp.int64)
+    else:
+        start = _interop.to_working("cache_seqlens", cache_seqlens, dev).astype(xp.int64)[:, None]
+    pos = start + xp.arange(seqlen_new, dtype=xp.int64)[None, :]  # (batch, seqlen_new) logical rows
+    ok = (pos >= 0) & (pos < capacity)
+    pos = xp.clip(pos, 0, max(capacity - 1, 0))
+    if block_table is None:
+        first, row = xp.arange(batch, dtype=xp.int64)[:, None] + 0 * pos, pos
+    else:
+        page_size, num_pages = kc.shape[1], kc.shape[0]
+        bt = _interop.to_working("block_table", block_table, dev)
+        page = bt[xp.arange(batch)[:, None], pos // page_size].astype(xp.int64)
+        ok &= (page >= 0) & (page < num_pages)
+        first, row = xp.clip(page, 0, num_pages - 1), pos % page_size
+    keep = ok[:, :, None, None]
+    for cache, new in ((kc, kn), (vc, vn)):
+        cache[first, row] = xp.where(keep, new, cache[first, row])
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None, causal=False,
+                            softmax_scale=None, window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, return_lse=False,
+                            backend="auto", check_inputs=False):
+    """Attention of q over a KV cache (decoding, speculative decoding, chunked prefill), forward only:
+    o, or with return_lse=True (o, lse).
+
+    q (batch, seqlen_q, nheads, head_dim). k_cache, v_cache: dense (batch, capacity, nheads_k, head_dim),
+    or with block_table int32 (batch, max_pages) paged (num_pages, page_size, nheads_k, head_dim), page_size a
+    multiple of 16: logical key j of entry b is row j % page_size of page block_table[b, j // page_size].
+    cache_seqlens: an int or int32 (batch,) array, the keys already in each entry. k, v (batch, seqlen_new,
+    nheads_k, head_dim), optional (both or neither), are first written into the caches in place at
+    logical rows cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 (cache_seqlens is not changed);
+    entry b then attends over its seqlen_k[b] = cache_seqlens[b] + seqlen_new keys, causal
+    bottom-right (query i sees keys j <= i + seqlen_k[b] - seqlen_q). window, softcap, alibi_slopes as
+    for flash_attn_forward; lse (batch, nheads, seqlen_q).
+
+    cache_seqlens and block_table held on the host are always checked (capacity, page indices in
+    [0, num_pages)); device arrays only with check_inputs=True (it costs a sync). Unchecked device
+    values never reach outside the caches: counts are clamped to [0, capacity] (a negative count as 0),
+    rows past the capacity are not written, and a page outside the pool is neither written nor read
+    (its keys read as zeros).
+    """
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        _checks.check_array(name, x, optional=name in ("k", "v"))
+    _checks.check_array("block_table", block_table, optional=True)
+    causal = _checks.check_flag("causal", causal)
+    return_lse = _checks.check_flag("return_lse", return_lse)
+    check_inputs = _checks.check_flag("check_inputs", check_inputs)
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _checks.check_ndim(name, x, "bshd")
+    dt = _checks.check_dtype("q", q)
+    _checks.check_same_dtype(dt, k_cache=k_cache, v_cache=v_cache)
+    b, sq, h, d = q.shape
+    capacity, num_pages = _checks.check_kv_cache(q, k_cache, v_cache, block_table)
+    seqlen_new = _checks.check_new_kv(k, v, (b, k_cache.shape[2], d), dt)
+    _checks.check_cache_seqlens(cache_seqlens, b)
+    # Reading device values needs a sync: only with check_inputs=True.
+    for name, x in (("cache_seqlens", cache_seqlens), ("block_table", block_table)):
+        if x is None or not (_checks._is_int(x) or not _on_device(x) or check_inputs):
+            continue
+        host = x if _checks._is_int(x) else _interop.to_working(name, x, False)
+        if name == "cache_seqlens":
+            _checks.check_cache_seqlens_values(host, seqlen_new, capacity, block_table is not None)
+        else:
+            _checks.check_block_table_values(host, num_pages)
+    scale = _checks.check_softmax_scale(softmax_scale, d)
+    vkw, _ = _variants(causal, window, softcap, alibi_slopes, _OFF, _ZERO, _ZERO, b, h)
+    # host cache_seqlens / block_table may go with device arrays (they are copied where needed)
+    devices = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "alibi_slopes": alibi_slopes}
+    devices.update({n: x for n, x in (("cache_seqlens", cache_seqlens), ("block_table", block_table))
+                    if x is not None and not _checks._is_int(x) and _on_device(x)})
+    call = _Call(q, "bshd", backend, devices)
+    with call.context():
+        if seqlen_new:
+            _append(k_cache, v_cache, k, v, cache_seqlens, block_table, capacity)
+        o_arr, o_work = call.new(q.shape, numpy_dtype(dt))
+        lse_arr, lse = call.new((b, h, sq), lse_dtype(dt))
+        ins = [call.working(n, x) for n, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))]
+        xp = importlib.import_module("cupy" if call.on_device else "numpy")
+        if _checks._is_int(cache_seqlens):
+            counts = xp.full((b,), min(int(cache_seqlens) + seqlen_new, 2**31 - 1), dtype=xp.int32)
+        else:  # in int64, then clipped: no wrap-around to a count the kernels would not clamp
+            counts = call.working("cache_seqlens", cache_seqlens).astype(xp.int64) + seqlen_new
+            counts = xp.clip(counts, -1, 2**31 - 1).astype(xp.int32)
+        bt = call.working("block_table", block_table)
+        if b and sq and h:
+            call.be.kvcache_forward(*ins, counts, bt, causal=causal, softmax_scale=scale, out=o_work, lse=lse,
+                                    **_working_variants(call, vkw))
+    o, lse_out = call.result(o_arr), call.result(lse_arr)
+    return (o, lse_out) if return_lse else o
+
+
 def dropout_mask(batch, nheads, seqlen_q, seqlen_k, *, dropout_p, seed, offset=0):
     """The boolean keep mask (batch, nheads, seqlen_q, seqlen_k), NumPy, that every backend uses for these
     dropout arguments (True: kept and scaled by 1 / (1 - dropout_p)). The generator is specified in
@@ -426,4 +547,4 @@ def dropout_mask(batch, nheads, seqlen_q, seqlen_k, *, dropout_p, seed, offset=0
 
 
 __all__ = ["flash_attn", "flash_attn_forward", "flash_attn_backward", "flash_attn_varlen",
-           "flash_attn_varlen_forward", "flash_attn_varlen_backward", "dropout_mask"]
+           "flash_attn_varlen_forward", "flash_attn_varlen_backward", "flash_attn_with_kvcache", "dropout_mask"]

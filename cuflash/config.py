@@ -62,8 +62,11 @@ ALIBI = 4
 DROPOUT = 8
 VARLEN = 16  # packed sequences: rows and lengths from cu_seqlens
 WINDOW = 32  # with LOCAL: a sliding window, both bounds read at run time (LOCAL alone is causal, compiled in)
+SEQUSED = 64  # KV cache: entry b has seqused_k[b] keys (clamped to the cache), not the array's extent
+PAGED = 128  # KV cache in pages: key row j of entry b through block_table (forward only)
+FORWARD_ONLY = SEQUSED | PAGED  # the KV-cache entry point has no backward: choose_backward drops them
 VARIANT_NAMES = {LOCAL: "local", SOFTCAP: "softcap", ALIBI: "alibi", DROPOUT: "dropout", VARLEN: "varlen",
-                 WINDOW: "window"}
+                 WINDOW: "window", SEQUSED: "seqused", PAGED: "paged"}
 ALL_VARIANTS = LOCAL | SOFTCAP | ALIBI | DROPOUT | VARLEN | WINDOW
 
 
@@ -73,10 +76,12 @@ def longest_first(variant: int) -> bool:
     return (variant & (LOCAL | WINDOW | SOFTCAP | ALIBI | DROPOUT)) == LOCAL
 
 
-def variant_bits(*, local=False, softcap=False, alibi=False, dropout=False, varlen=False, window=False) -> int:
-    """kVariant of a call; window: its mask is a sliding window, not causal alone (implies local)."""
+def variant_bits(*, local=False, softcap=False, alibi=False, dropout=False, varlen=False, window=False,
+                 seqused=False, paged=False) -> int:
+    """kVariant of a call; window: its mask is a sliding window, not causal alone (implies local);
+    paged implies seqused (a paged cache always has per-entry key counts)."""
     bits = ((LOCAL, local or window), (SOFTCAP, softcap), (ALIBI, alibi), (DROPOUT, dropout), (VARLEN, varlen),
-            (WINDOW, window))
+            (WINDOW, window), (SEQUSED, seqused or paged), (PAGED, paged))
     return sum(bit for bit, on in bits if on)
 
 
@@ -88,7 +93,7 @@ class KernelConfig:
     block_m: int  # query rows per tile
     block_n: int  # key rows per tile; 0 where the kernel takes none
     warps: int
-    variant: int  # kVariant: a sum of LOCAL, SOFTCAP, ALIBI, DROPOUT, VARLEN, WINDOW
+    variant: int  # kVariant: a sum of LOCAL, SOFTCAP, ALIBI, DROPOUT, VARLEN, WINDOW, SEQUSED, PAGED
 
     @property
     def source(self) -> str:
@@ -250,6 +255,7 @@ def choose_forward(dtype, head_dim: int, variant: int) -> KernelConfig:
 def choose_backward(dtype, head_dim: int, variant: int) -> tuple[KernelConfig, KernelConfig, KernelConfig]:
     """(preprocess, dK/dV, dQ) configs for one backward call."""
     dt = dtype_name(dtype)
+    variant &= ~FORWARD_ONLY
     suffix = "" if dt in TENSOR_CORE_DTYPES else "_simt"
     return (
         _preprocess(dt, variant),  # D = rowsum(dO * O): any head_dim, dense or varlen
@@ -261,14 +267,21 @@ def choose_backward(dtype, head_dim: int, variant: int) -> tuple[KernelConfig, K
 # The instantiations the compile gate and `cuflash compile` build per (dtype, head dim): plain, causal,
 # and every variant at once (the most registers; other combinations compile on first use).
 GATED_VARIANTS = (0, LOCAL, ALL_VARIANTS)
+# The KV-cache entry point (forward only, no dropout or varlen): a paged cache alone, and every variant
+# it can combine, dense and paged. PAGED is not in ALL_VARIANTS: with dropout on top (a combination no
+# entry point makes) the d=64 tensor-core forward spills on sm_90.
+KVCACHE_VARIANTS = LOCAL | WINDOW | SOFTCAP | ALIBI | SEQUSED | PAGED
+GATED_FORWARD_VARIANTS = (SEQUSED | PAGED, KVCACHE_VARIANTS & ~PAGED, KVCACHE_VARIANTS)
 
 
 def all_configs() -> list[KernelConfig]:
-    """The configs the compile gate checks and `cuflash compile` builds (GATED_VARIANTS)."""
+    """The configs the compile gate checks and `cuflash compile` builds (GATED_VARIANTS, and
+    GATED_FORWARD_VARIANTS for the forward)."""
     out: list[KernelConfig] = []
     for dt in DTYPES:
         for d in HEAD_DIMS:
             for variant in GATED_VARIANTS:
                 cfgs = [choose_forward(dt, d, variant), *choose_backward(dt, d, variant)]
                 out.extend(c for c in cfgs if c not in out)
+            out.extend(c for c in (choose_forward(dt, d, v) for v in GATED_FORWARD_VARIANTS) if c not in out)
     return out

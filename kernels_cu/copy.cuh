@@ -76,6 +76,39 @@ __device__ __forceinline__ void cp_async_tile(T* smem, const T* gbase, long long
     }
 }
 
+// cp_async_tile for key rows [key0, key0 + kRows) of one entry through KeyRows (seqinfo.cuh): a dense
+// entry is one slab (cp_async_tile itself); a paged one looks each row's page up, and a row without a
+// page (outside the pool) is zero-filled like a row past rows_valid. rows.base is the zero-fill operand.
+template <int kRows, int kCols, int kPitch, int kNThreads, typename T, class Rows>
+__device__ __forceinline__ void cp_async_keys(T* smem, const Rows& rows, int key0, int rows_valid, int cols_valid,
+                                              int tid) {
+    if constexpr (!Rows::kPaged) {
+        cp_async_tile<kRows, kCols, kPitch, kNThreads>(smem, rows.base + key0 * rows.row_stride, rows.row_stride,
+                                                       rows_valid, cols_valid, tid);
+    } else {
+        using S = TileShape<kRows, kCols, kNThreads>;
+        const int row_t = tid / S::kThreadsPerRow;
+        const int col_t = (tid % S::kThreadsPerRow) * 8;
+        const unsigned dst = smem_u32(smem + row_t * kPitch + col_t);
+#pragma unroll
+        for (int j = 0; j < S::kRowIters; ++j) {
+            const int row = row_t + j * S::kRowStep;
+            if (kRows % S::kRowStep == 0 || row < kRows) {
+                const T* src = rows.base;
+                const bool row_ok = row < rows_valid && rows.row(key0 + row, src);
+                const T* src_row = row_ok ? src + col_t : rows.base;
+#pragma unroll
+                for (int c = 0; c < S::kColIters; ++c) {
+                    const int col = col_t + c * S::kThreadsPerRow * 8;
+                    const bool valid = row_ok && col < cols_valid;
+                    cp_async_16(dst + (j * S::kRowStep * kPitch + c * S::kThreadsPerRow * 8) * sizeof(T),
+                                valid ? src_row + c * S::kThreadsPerRow * 8 : rows.base, valid);
+                }
+            }
+        }
+    }
+}
+
 // Copy a kRows x kCols shared tile (pitch kPitch) to global rows gbase + r * row_stride, 16 bytes at a
 // time, writing only rows < rows_valid and columns < cols_valid.
 template <int kRows, int kCols, int kPitch, int kNThreads, typename T>

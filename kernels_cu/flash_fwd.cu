@@ -14,7 +14,8 @@
 //
 // Variants (kVariant, mask.cuh): the key blocks a query block visits come from Mask::n_block_range;
 // scores pass through ScoreMod (softcap, ALiBi) and the mask, P through dropout before P V. Varlen
-// batches take their rows and lengths from SeqInfo.
+// batches take their rows and lengths from SeqInfo; a KV cache its key counts (kSeqused) and, paged,
+// its key rows through KeyRows (kPaged).
 #include "params.cuh"
 #include "common.cuh"
 #include "seqinfo.cuh"
@@ -53,10 +54,8 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const __grid_constant_
     T* sV = sK + kBlockN * kPitch;
 
     // [1] Block coordinates: m_block, head, batch; the mask gives the key blocks to visit
-    // longest first: under a causal mask the last query blocks visit the most key blocks, so
-    // they are launched first and the grid's tail is short blocks
     const int m_block = query_block<kVariant>(), head = blockIdx.y, batch = blockIdx.z;
-    const SeqInfo<(kVariant & kVarlen) != 0> seq(p, batch);
+    const SeqInfo<(kVariant & kVarlen) != 0, (kVariant & kSeqused) != 0> seq(p, batch);
     const int row_begin = m_block * kBlockM;
     if (row_begin >= seq.seqlen_q) return;  // varlen: a shorter sequence than the grid's
     const int head_k = head / (p.nheads / p.nheads_k);
@@ -71,17 +70,20 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const __grid_constant_
 
     const T* q = static_cast<const T*>(p.q) + seq.q_offset(batch, p.q_batch_stride, p.q_row_stride) +
                  head * p.q_head_stride + row_begin * p.q_row_stride;
-    const T* k = static_cast<const T*>(p.k) + seq.k_offset(batch, p.k_batch_stride, p.k_row_stride) +
-                 head_k * p.k_head_stride;
-    const T* v = static_cast<const T*>(p.v) + seq.k_offset(batch, p.v_batch_stride, p.v_row_stride) +
-                 head_k * p.v_head_stride;
+    // K, V rows: the entry's slab, or (kPaged) pages of the pools, whose batch stride is the page stride
+    constexpr bool kIsPaged = (kVariant & kPaged) != 0;
+    const KeyRows<kIsPaged, T> k_rows(
+        p, static_cast<const T*>(p.k) + (kIsPaged ? 0 : seq.k_offset(batch, p.k_batch_stride, p.k_row_stride)) +
+               head_k * p.k_head_stride, p.k_batch_stride, p.k_row_stride, batch);
+    const KeyRows<kIsPaged, T> v_rows(
+        p, static_cast<const T*>(p.v) + (kIsPaged ? 0 : seq.k_offset(batch, p.v_batch_stride, p.v_row_stride)) +
+               head_k * p.v_head_stride, p.v_batch_stride, p.v_row_stride, batch);
 
     // [2] Load the Q tile
     cp_async_tile<kBlockM, kHeadDim, kPitch, kNThreads>(sQ, q, p.q_row_stride, seqlen_q - row_begin, head_dim, tid);
     if (n_block_end > n_block_min) {
         const int key0 = (n_block_end - 1) * kBlockN;
-        cp_async_tile<kBlockN, kHeadDim, kPitch, kNThreads>(sK, k + key0 * p.k_row_stride, p.k_row_stride,
-                                                           seqlen_k - key0, head_dim, tid);
+        cp_async_keys<kBlockN, kHeadDim, kPitch, kNThreads>(sK, k_rows, key0, seqlen_k - key0, head_dim, tid);
     }
     cp_async_commit();
 
@@ -119,8 +121,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const __grid_constant_
         const int key0 = n_block * kBlockN;
         cp_async_wait<0>();  // K[n_block] (and Q) have landed for this thread ...
         __syncthreads();     // ... and for all; every warp is also done reading sV of the previous block
-        cp_async_tile<kBlockN, kHeadDim, kPitch, kNThreads>(sV, v + key0 * p.v_row_stride, p.v_row_stride,
-                                                           seqlen_k - key0, head_dim, tid);
+        cp_async_keys<kBlockN, kHeadDim, kPitch, kNThreads>(sV, v_rows, key0, seqlen_k - key0, head_dim, tid);
         cp_async_commit();
 
         // [3] S = Q K^T
@@ -176,8 +177,8 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const __grid_constant_
         __syncthreads();     // ... for all, and every warp is done reading sK
         if (n_block > n_block_min) {
             const int key_prev = key0 - kBlockN;
-            cp_async_tile<kBlockN, kHeadDim, kPitch, kNThreads>(sK, k + key_prev * p.k_row_stride, p.k_row_stride,
-                                                               seqlen_k - key_prev, head_dim, tid);
+            cp_async_keys<kBlockN, kHeadDim, kPitch, kNThreads>(sK, k_rows, key_prev, seqlen_k - key_prev, head_dim,
+                                                               tid);
             cp_async_commit();
         }
 

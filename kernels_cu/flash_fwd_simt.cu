@@ -27,7 +27,8 @@
 // Variants (kVariant, mask.cuh) as in flash_fwd.cu: the key blocks come from Mask::n_block_range, scores
 // pass through ScoreMod (softcap, ALiBi; the library tanh: fp32 / fp64 outputs need its accuracy) and
 // the mask, P through dropout before P V (one Philox call per score: Dropout::keep). Varlen batches
-// take their rows and lengths from SeqInfo.
+// take their rows and lengths from SeqInfo; a KV cache its key counts (kSeqused) and, paged, its key
+// rows through KeyRows (kPaged).
 #include "common.cuh"
 #include "dropout.cuh"
 #include "mask.cuh"
@@ -108,7 +109,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_simt(const __grid_c
     const int m_block = query_block<kVariant>();
     const int head = blockIdx.y;
     const int batch = blockIdx.z;
-    const SeqInfo<(kVariant & kVarlen) != 0> seq(p, batch);
+    const SeqInfo<(kVariant & kVarlen) != 0, (kVariant & kSeqused) != 0> seq(p, batch);
     const int row_begin = m_block * kBlockM;
     if (row_begin >= seq.seqlen_q) return;  // varlen: a shorter sequence than the grid's
     const int kv_head = head / (p.nheads / p.nheads_k);
@@ -119,10 +120,14 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_simt(const __grid_c
     mask.template n_block_range<kBlockM, kBlockN>(m_block, n_block_min, n_block_end);
     const T* q = static_cast<const T*>(p.q) + seq.q_offset(batch, p.q_batch_stride, p.q_row_stride) +
                  head * p.q_head_stride;
-    const T* k = static_cast<const T*>(p.k) + seq.k_offset(batch, p.k_batch_stride, p.k_row_stride) +
-                 kv_head * p.k_head_stride;
-    const T* v = static_cast<const T*>(p.v) + seq.k_offset(batch, p.v_batch_stride, p.v_row_stride) +
-                 kv_head * p.v_head_stride;
+    // K, V rows: the entry's slab, or (kPaged) pages of the pools, whose batch stride is the page stride
+    constexpr bool kIsPaged = (kVariant & kPaged) != 0;
+    const KeyRows<kIsPaged, T> k_rows(
+        p, static_cast<const T*>(p.k) + (kIsPaged ? 0 : seq.k_offset(batch, p.k_batch_stride, p.k_row_stride)) +
+               kv_head * p.k_head_stride, p.k_batch_stride, p.k_row_stride, batch);
+    const KeyRows<kIsPaged, T> v_rows(
+        p, static_cast<const T*>(p.v) + (kIsPaged ? 0 : seq.k_offset(batch, p.v_batch_stride, p.v_row_stride)) +
+               kv_head * p.v_head_stride, p.v_batch_stride, p.v_row_stride, batch);
 
     // [2] Load the Q tile
     // Copies run asynchronously, one commit group per tile: Q, then K and V of key block 0. The
@@ -132,11 +137,9 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_simt(const __grid_c
     cp_async_commit();
     if (n_block_end > n_block_min) {
         const int key0 = n_block_min * kBlockN;
-        load_tile<T, kBlockN, kHeadDim, kStride, kNThreads>(k_s, k + key0 * p.k_row_stride, p.k_row_stride,
-                                                            seqlen_k - key0, head_dim);
+        load_keys<T, kBlockN, kHeadDim, kStride, kNThreads>(k_s, k_rows, key0, seqlen_k - key0, head_dim);
         cp_async_commit();
-        load_tile<T, kBlockN, kHeadDim, kStride, kNThreads>(v_s, v + key0 * p.v_row_stride, p.v_row_stride,
-                                                            seqlen_k - key0, head_dim);
+        load_keys<T, kBlockN, kHeadDim, kStride, kNThreads>(v_s, v_rows, key0, seqlen_k - key0, head_dim);
         cp_async_commit();
     }
 
@@ -221,8 +224,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_simt(const __grid_c
         }
         __syncthreads();  // p_s complete, k_s free: start the next K tile behind this block's P V
         if (n_block + 1 < n_block_end)
-            load_tile<T, kBlockN, kHeadDim, kStride, kNThreads>(k_s, k + next_row0 * p.k_row_stride, p.k_row_stride,
-                                                                seqlen_k - next_row0, head_dim);
+            load_keys<T, kBlockN, kHeadDim, kStride, kNThreads>(k_s, k_rows, next_row0, seqlen_k - next_row0, head_dim);
         cp_async_commit();
         cp_async_wait<1>();  // this block's V has landed
         __syncthreads();
@@ -265,8 +267,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_simt(const __grid_c
         }
         __syncthreads();  // v_s and p_s free: start the next V tile
         if (n_block + 1 < n_block_end)
-            load_tile<T, kBlockN, kHeadDim, kStride, kNThreads>(v_s, v + next_row0 * p.v_row_stride, p.v_row_stride,
-                                                                seqlen_k - next_row0, head_dim);
+            load_keys<T, kBlockN, kHeadDim, kStride, kNThreads>(v_s, v_rows, next_row0, seqlen_k - next_row0, head_dim);
         cp_async_commit();
     }
     cp_async_wait<0>();  // nothing may be in flight at exit (only the Q group when no key block ran)

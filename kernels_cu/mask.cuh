@@ -11,6 +11,7 @@
 // - kAlibi: -slope * |i' - j| is added to the logit (after the softcap).
 // - kDropout: dropout.cuh.
 // - kVarlen: each batch entry's rows and lengths come from cu_seqlens (seqinfo.cuh).
+// - kSeqused, kPaged: a KV cache's key counts and pages (seqinfo.cuh; forward kernels only).
 // Without kSoftcap / kAlibi the kernels keep scores in q.k units and fold softmax_scale into exp2's
 // scale; with either, ScoreMod turns them into logits and exp2's scale is log2(e).
 #pragma once
@@ -19,13 +20,15 @@
 
 namespace cuflash {
 
-// kVariant bits (cuflash/config.py: LOCAL, SOFTCAP, ALIBI, DROPOUT, VARLEN, WINDOW).
+// kVariant bits (cuflash/config.py: LOCAL, SOFTCAP, ALIBI, DROPOUT, VARLEN, WINDOW, SEQUSED, PAGED).
 constexpr int kLocal = 1;
 constexpr int kSoftcap = 2;
 constexpr int kAlibi = 4;
 constexpr int kDropout = 8;
 constexpr int kVarlen = 16;
 constexpr int kWindow = 32;  // with kLocal: a sliding window, its bounds from the params
+constexpr int kSeqused = 64;  // KV cache: key counts from seqused_k (seqinfo.cuh)
+constexpr int kPaged = 128;   // KV cache in pages: key rows through block_table (seqinfo.cuh KeyRows)
 
 // A window bound of -1 (unbounded) as the params hold it (cuflash/_params.py writes it): far enough
 // that no row + shift + bound overflows.

@@ -45,6 +45,16 @@ struct FwdParams {
     float softcap;                 // > 0: scores become softcap * tanh(score / softcap)
     unsigned int dropout_threshold; // a score is kept iff its 16-bit Philox draw is >= this: floor(p * 65536)
     unsigned int offset;           // dropout: the fourth Philox counter word
+
+    // KV cache (seqinfo.cuh). kSeqused: entry b has min(max(seqused_k[b], 0), seqlen_k) keys, seqlen_k the
+    // cache's capacity. kPaged: k / v are page pools [page, row, head, dim] (batch stride = page stride)
+    // and key row j of entry b is row j % page_size of page block_table[b * block_table_batch_stride +
+    // j / page_size]; a page outside [0, num_pages) is never read (its rows load as zeros).
+    const int* seqused_k;
+    const int* block_table;
+    long long block_table_batch_stride;
+    int page_size;
+    int num_pages;
 };
 
 struct BwdParams {

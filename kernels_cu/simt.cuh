@@ -111,6 +111,32 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, long long row_stride
     }
 }
 
+// load_tile for key rows [key0, key0 + kRows) of one entry through KeyRows (seqinfo.cuh): a dense entry
+// is one slab (load_tile itself); a paged one looks each row's page up, and a row without a page
+// (outside the pool) is zero-filled like a row past nrows. rows.base is the zero-fill operand.
+template <typename T, int kRows, int kHeadDim, int kStride, int kNThreads, class Rows>
+__device__ __forceinline__ void load_keys(T* s, const Rows& rows, int key0, int nrows, int head_dim) {
+    if constexpr (!Rows::kPaged) {
+        load_tile<T, kRows, kHeadDim, kStride, kNThreads>(s, rows.base + key0 * rows.row_stride, rows.row_stride,
+                                                         nrows, head_dim);
+    } else {
+        constexpr int kVec = 16 / int(sizeof(T));
+        const int tid = threadIdx.x;
+        const bool vec = aligned16(rows.base, rows.row_stride, sizeof(T)) &&
+                         aligned16(nullptr, rows.page_stride, sizeof(T)) && head_dim % kVec == 0;
+        const int width = vec ? kVec : 1;  // elements per copy
+        const int per_row = kHeadDim / width;
+#pragma unroll 1
+        for (int idx = tid; idx < kRows * per_row; idx += kNThreads) {
+            const int r = idx / per_row, c = (idx % per_row) * width;
+            const T* src = rows.base;
+            const bool valid = r < nrows && c < head_dim && rows.row(key0 + r, src);
+            if (vec) cp_async_16(s + r * kStride + c, valid ? src + c : rows.base, valid);
+            else cp_async_small<int(sizeof(T))>(s + r * kStride + c, valid ? src + c : rows.base, valid);
+        }
+    }
+}
+
 // acc[i][j] = sum_{k < head_dim} a_s[row i][k] * b_s[row j][k] for this thread's rows
 // ty + i * kThreadsM of a_s and rows tx + 8 * j of b_s. Two-level: a fresh FMA partial per 8 floats
 // (4 doubles) of k, added to acc. Against one FMA chain over k this cuts the fp32 dot product's

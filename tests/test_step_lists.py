@@ -54,6 +54,7 @@ MASK_STEPS = [
 # kernels_cu/seqinfo.cuh and cuflash/proto/seqinfo.py
 SEQINFO_STEPS = [
     (1, "Sequence lengths and first rows of this batch entry: dense, or from cu_seqlens"),
+    (2, "Key row j of this batch entry: dense, or through the page table"),
 ]
 # kernels_cu/dropout.cuh and cuflash/proto/dropout.py (for_each_keep_t, the S^T walk, has no step)
 DROPOUT_STEPS = [

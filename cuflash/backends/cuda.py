@@ -165,6 +165,19 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seq
     return out, lse
 
 
+def kvcache_forward(q, k_cache, v_cache, seqlens_k, block_table=None, *, out, lse, **kwargs):
+    """Attention of q over a KV cache, read in place: dense (batch, capacity, heads_k, head_dim), or page
+    pools (num_pages, page_size, heads_k, head_dim) with block_table int32 (batch, max_pages). seqlens_k
+    int32 (batch,) on the device: each entry's key count, which the kernels clamp to the capacity (no
+    value reads outside the cache; a page outside the pool reads as zeros)."""
+    import cupy
+
+    bt = None if block_table is None else cupy.ascontiguousarray(block_table)
+    kvcache = (cupy.ascontiguousarray(seqlens_k), bt)
+    forward(q, k_cache, v_cache, out=out, lse=lse, kvcache=kvcache, **kwargs)
+    return out, lse
+
+
 def varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, dq, dk, dv,
                     **kwargs):
     import cupy

@@ -250,10 +250,12 @@ def _grid_sizes(q, k, varlen):
     return int(cu_q.shape[0]) - 1, int(max_q), int(max_k)
 
 
-def _forward(q, k, v, *, causal, softmax_scale, cfg=None, out=None, lse=None, varlen=None, **variants):
+def _forward(q, k, v, *, causal, softmax_scale, cfg=None, out=None, lse=None, varlen=None, kvcache=None,
+             **variants):
     """forward() with an optional KernelConfig override (tests use small tiles in the simulator).
     varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) with q, k, v (and out) the packed
-    arrays as (1, total, heads, head_dim) views and lse (1, heads, total_q)."""
+    arrays as (1, total, heads, head_dim) views and lse (1, heads, total_q). kvcache: (seqused_k,
+    block_table or None) with k, v the cache, as for the CUDA backend (cuflash/_params.py)."""
     from ..proto.flash_fwd import make_flash_fwd
 
     xp = _xp(q)
@@ -261,15 +263,20 @@ def _forward(q, k, v, *, causal, softmax_scale, cfg=None, out=None, lse=None, va
     _, seqlen_q, nheads, head_dim = q.shape
     batch, grid_sq, _ = _grid_sizes(q, k, varlen)
     if cfg is None:
-        cfg = fit(choose_forward(dt, head_dim, _params.variant(causal, varlen, **variants)))
+        cfg = fit(choose_forward(dt, head_dim, _params.variant(causal, varlen, kvcache=kvcache, **variants)))
     launcher = _Launcher()
     o = _result(out, q.shape, np.float32 if dt == "bfloat16" else q.dtype, xp, launcher.sim)
     lse_buf = _result(lse, (q.shape[0], nheads, seqlen_q), _acc_dtype(dt), xp, launcher.sim)
     scale, scale_log2 = _scales(dt, softmax_scale)
     grid = (_ceil_div(grid_sq, cfg.block_m), nheads, batch)
+    seqused_k, block_table = kvcache if kvcache is not None else (None, None)
+    if seqused_k is None:
+        seqused_k = xp.zeros(1, dtype=np.int32)
+    block_table = xp.zeros((1, 1), dtype=np.int32) if block_table is None else launcher.inp(block_table)
     launcher.launch(make_flash_fwd, cfg, grid, launcher.inp(q), launcher.inp(k), launcher.inp(v),
                     o, lse_buf, scale, scale_log2,
-                    *_variant_args(launcher, xp, dt, nheads, causal, varlen, **variants))
+                    *_variant_args(launcher, xp, dt, nheads, causal, varlen, **variants),
+                    launcher.inp(seqused_k), block_table)
     return _finish(out, o, q.dtype), _finish(lse, lse_buf, lse_buf.dtype)
 
 
@@ -304,11 +311,12 @@ def _backward(do, q, k, v, o, lse, *, causal, softmax_scale, cfgs=None, dq=None,
     return tuple(_finish(given, buf, q.dtype) for given, buf in ((dq, dq_buf), (dk, dk_buf), (dv, dv_buf)))
 
 
-def forward(q, k, v, *, causal, softmax_scale, out=None, lse=None, varlen=None, **variants):
+def forward(q, k, v, *, causal, softmax_scale, out=None, lse=None, varlen=None, kvcache=None, **variants):
     """(o, lse). out / lse, when given, are written in place (bshd views, any strides). variants: the
-    CUDA backend's (window, softcap, alibi_slopes, dropout_p, seed, offset); varlen as for _forward."""
+    CUDA backend's (window, softcap, alibi_slopes, dropout_p, seed, offset); varlen and kvcache as for
+    _forward."""
     return _forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse, varlen=varlen,
-                    **variants)
+                    kvcache=kvcache, **variants)
 
 
 def backward(do, q, k, v, o, lse, *, causal, softmax_scale, deterministic=False, dq=None, dk=None, dv=None,
@@ -335,6 +343,12 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seq
     o, lse_out = forward(q[None], k[None], v[None], out=_none_or(out, lambda x: x[None]),
                          lse=_none_or(lse, lambda x: x[None]), varlen=varlen, **kwargs)
     return o[0], lse_out[0]
+
+
+def kvcache_forward(q, k_cache, v_cache, seqlens_k, block_table=None, *, out=None, lse=None, **kwargs):
+    """Attention of q over a KV cache read in place (dense, or page pools with block_table), each entry
+    over its seqlens_k[b] keys, clamped as the CUDA backend's kernels clamp them."""
+    return forward(q, k_cache, v_cache, out=out, lse=lse, kvcache=(seqlens_k, block_table), **kwargs)
 
 
 def varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, dq=None,

@@ -353,6 +353,42 @@ def varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *, max_seql
     return tuple(grads)
 
 
+# --- KV cache --------------------------------------------------------------------------------------------
+
+
+def _cache_keys(cache, i: int, n: int, block_table):
+    """Key rows 0..n of entry i, (1, n, heads_k, head_dim): the dense cache's slab, or the entry's pages
+    gathered (a page outside the pool reads as zeros, as in the kernels)."""
+    if block_table is None:
+        return cache[i:i + 1, :n]
+    page_size, num_pages = cache.shape[1], cache.shape[0]
+    pages = np.asarray(block_table[i, :_ceil_div(n, page_size)], dtype=np.int64)
+    ok = (pages >= 0) & (pages < num_pages)
+    rows = cache[np.where(ok, pages, 0)]
+    rows[~ok] = 0
+    return rows.reshape(1, -1, *cache.shape[2:])[:, :n]
+
+
+def kvcache_forward(q, k_cache, v_cache, seqlens_k, block_table=None, *, out=None, lse=None, alibi_slopes=None,
+                    **kwargs):
+    """Attention of q (batch, seqlen_q, nheads, head_dim) over a KV cache, entry by entry through
+    `forward`: entry b sees its first seqlens_k[b] keys (clamped to the cache's capacity, a negative
+    count as 0, as the kernels do). The cache is dense (batch, capacity, nheads_k, head_dim), or page
+    pools (num_pages, page_size, nheads_k, head_dim) with block_table int32 (batch, max_pages).
+    Returns (o like q, lse (batch, nheads, seqlen_q) in the accumulator dtype)."""
+    batch = q.shape[0]
+    capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
+    counts = np.clip(np.asarray(seqlens_k, dtype=np.int64), 0, capacity)
+    o = np.empty(q.shape, dtype=q.dtype) if out is None else out
+    lse_all = np.empty((batch, q.shape[2], q.shape[1]), dtype=_acc_dtype(q.dtype))
+    for i in range(batch):
+        n = int(counts[i])
+        oi, li = forward(q[i:i + 1], _cache_keys(k_cache, i, n, block_table), _cache_keys(v_cache, i, n, block_table),
+                         alibi_slopes=_slopes_of(alibi_slopes, i), batch_index=i, **kwargs)
+        o[i], lse_all[i] = oi[0], li[0]
+    return o, _store(lse_all, lse)
+
+
 def _store(result, dest):
     """`result`, or `dest` after copying result into it."""
     if dest is None:

@@ -2,7 +2,7 @@
 
 `make_flash_fwd(cfg)` turns a KernelConfig into a kernel the way the C++ template does: head_dim,
 block_m, block_n, warps, the variant bits (cfg.variant: config.LOCAL, SOFTCAP, ALIBI, DROPOUT,
-VARLEN) and the accumulator type become closure constants, so shared and local array shapes are
+VARLEN, SEQUSED, PAGED) and the accumulator type become closure constants, so shared and local array shapes are
 compile-time constants and unused variants fold away. Launch it exactly like the CUDA kernel:
 
     grid (ceil(seqlen_q / block_m), nheads, batch), block (warps * 32,)
@@ -16,6 +16,9 @@ variant_args (FwdParams' variant fields, in this order; see cuflash/backends/num
     alibi_batch_stride           int (0: one row of nheads slopes)
     seed_lo, seed_hi, offset, dropout_threshold   uint64 (DROPOUT, dropout.py)
     dropout_scale                acc_t, 1 / (1 - dropout_p)
+    seqused_k                    int32 (batch,) key counts with SEQUSED (else any 1-element int32 array)
+    block_table                  int32 (batch, max_pages) with PAGED, k and v then page pools
+                                 (num_pages, page_size, nheads_k, head_dim) (else any (1, 1) int32 array)
 softmax_scale, scale_log2 (and the other floats) should be acc_t scalars (np.float32 / np.float64, as
 the backend passes them) so that the kernel's arithmetic stays in acc_t; a Python float would promote it.
 
@@ -48,10 +51,10 @@ import math
 
 from numba import cuda, uint64
 
-from ..config import ALIBI, DROPOUT, LOCAL, SOFTCAP, VARLEN, longest_first
+from ..config import ALIBI, DROPOUT, LOCAL, PAGED, SEQUSED, SOFTCAP, VARLEN, longest_first
 from .dropout import keep
 from .mask import n_block_range, needs_mask, score_mod, visible
-from .seqinfo import batch_index, seq_info
+from .seqinfo import batch_index, key_row, seq_info, used_keys
 from .softmax import softmax_finalize, softmax_init, softmax_update
 
 LOG2E = 1.4426950408889634  # exp2's scale for logits (ScoreMod::score_log2 with a transform)
@@ -103,6 +106,28 @@ def load_tile(s, g, batch, row0, head, seqlen, head_dim, tid, nthreads):
             s[r, c] = 0
 
 
+@cuda.jit(device=True)
+def load_keys(s, g, is_paged, block_table, batch, bidx, k_start, key0, head, seqlen_k, head_dim, tid, nthreads):
+    # copy.cuh's cp_async_keys: key rows key0.. of the entry into s. Dense: load_tile of the slab; paged:
+    # each row through key_row, a row without a page (or past seqlen_k) zero-filled.
+    if not is_paged:
+        load_tile(s, g, bidx, k_start + key0, head, k_start + seqlen_k, head_dim, tid, nthreads)
+        return
+    rows = s.shape[0]
+    cols = s.shape[1]
+    for e in range(tid, rows * cols, nthreads):
+        r = e // cols
+        c = e - r * cols
+        page = -1
+        row = 0
+        if key0 + r < seqlen_k and c < head_dim:
+            page, row = key_row(is_paged, block_table, batch, bidx, k_start, key0 + r, g.shape[1], g.shape[0])
+        if page >= 0:
+            s[r, c] = g[page, row, head, c]
+        else:
+            s[r, c] = 0
+
+
 def variant_flags(cfg):
     """(local, softcap, alibi, dropout, varlen) of cfg.variant, and transform = softcap or alibi
     (mask.cuh's kTransform: the scores become natural-unit logits)."""
@@ -120,6 +145,7 @@ def make_flash_fwd(cfg):
     BLOCK_N = cfg.block_n
     NTHREADS = cfg.threads
     IS_LOCAL, IS_SOFTCAP, IS_ALIBI, IS_DROPOUT, IS_VARLEN, TRANSFORM = variant_flags(cfg)
+    IS_SEQUSED, IS_PAGED = bool(cfg.variant & SEQUSED), bool(cfg.variant & PAGED)
     ACC = acc_type(cfg.dtype)
     TPR, ROW_STRIDE, RPT, S_CPT = thread_layout(BLOCK_M, BLOCK_N, NTHREADS)
     O_CPT = thread_layout(BLOCK_M, HEAD_DIM, NTHREADS)[3]
@@ -127,14 +153,17 @@ def make_flash_fwd(cfg):
     @cuda.jit
     def flash_fwd(q, k, v, o, lse, softmax_scale, scale_log2, cu_seqlens_q, cu_seqlens_k, window_left,
                   window_right, softcap, alibi_slopes, alibi_batch_stride, seed_lo, seed_hi, offset,
-                  dropout_threshold, dropout_scale):
+                  dropout_threshold, dropout_scale, seqused_k, block_table):
         # [1] Block coordinates: m_block, head, batch; the mask gives the key blocks to visit
         m_block = cuda.gridDim.x - 1 - cuda.blockIdx.x if LONGEST_FIRST else cuda.blockIdx.x
         head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
         tid = cuda.threadIdx.x
+        # the cache's capacity: k's rows, or (paged: k a page pool) max_pages * page_size
+        capacity = block_table.shape[1] * k.shape[1] if IS_PAGED else k.shape[1]
         q_start, k_start, seqlen_q, seqlen_k = seq_info(IS_VARLEN, cu_seqlens_q, cu_seqlens_k, batch,
-                                                        q.shape[1], k.shape[1])
+                                                        q.shape[1], capacity)
+        seqlen_k = used_keys(IS_SEQUSED, seqused_k, batch, seqlen_k)
         row_begin = m_block * BLOCK_M
         if row_begin >= seqlen_q:
             return  # varlen: a shorter sequence than the grid's
@@ -186,8 +215,10 @@ def make_flash_fwd(cfg):
         for n_block in range(n_block_end - 1, n_block_min - 1, -1):
             key0 = n_block * BLOCK_N
             cuda.syncthreads()  # the previous block is done with sK, sV, sP (and sQ is visible)
-            load_tile(sK, k, bidx, k_start + key0, head_k, k_start + seqlen_k, head_dim, tid, NTHREADS)
-            load_tile(sV, v, bidx, k_start + key0, head_k, k_start + seqlen_k, head_dim, tid, NTHREADS)
+            load_keys(sK, k, IS_PAGED, block_table, batch, bidx, k_start, key0, head_k, seqlen_k, head_dim, tid,
+                      NTHREADS)
+            load_keys(sV, v, IS_PAGED, block_table, batch, bidx, k_start, key0, head_k, seqlen_k, head_dim, tid,
+                      NTHREADS)
             cuda.syncthreads()
 
             # [3] S = Q K^T

@@ -1,0 +1,446 @@
+"""flash_attn_with_kvcache on the CPU: the NumPy backend always, the Numba prototypes under the CUDA
+simulator, against the float64 reference over each entry's logical keys (the cache's first
+cache_seqlens[b] rows followed by the appended k, v, gathered through the page table when paged).
+
+The simulator runs in ONE subprocess started with NUMBA_ENABLE_CUDASIM=1 (this file run as a script,
+`--sim-worker OUT.npz`), as in tests/test_proto.py. Shared with tests/test_gpu_kvcache.py: make_cache
+and kv_reference (NumPy or CuPy arrays alike).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _xp(x):
+    if isinstance(x, np.ndarray):
+        return np
+    import cupy
+
+    return cupy
+
+
+def make_cache(rng, b, sq, h, hk, d, capacity, seqlen_new, cache_seqlens, page_size=None, dtype=np.float64):
+    """Inputs of one call, NumPy: q, the dense caches (every row random: rows past an entry's keys must
+    be ignored), k, v to append (None when seqlen_new is 0), the logical caches (the dense ones with
+    k, v written at cache_seqlens), and with page_size the page pools (3 spare random pages) and
+    block_table (pages in random order) holding the same dense caches."""
+    lens = np.broadcast_to(np.asarray(cache_seqlens, dtype=np.int64), (b,))
+    draw = lambda *s: rng.standard_normal(s).astype(dtype)
+    c = dict(q=draw(b, sq, h, d), k_cache=draw(b, capacity, hk, d), v_cache=draw(b, capacity, hk, d),
+             k=draw(b, seqlen_new, hk, d) if seqlen_new else None, v=draw(b, seqlen_new, hk, d) if seqlen_new else None)
+    c["k_logical"], c["v_logical"] = c["k_cache"].copy(), c["v_cache"].copy()
+    for i, n in enumerate(lens):
+        if seqlen_new:
+            c["k_logical"][i, n:n + seqlen_new], c["v_logical"][i, n:n + seqlen_new] = c["k"][i], c["v"][i]
+    c["counts"] = (lens + seqlen_new).astype(np.int32)
+    if page_size:
+        max_pages = capacity // page_size
+        num_pages = b * max_pages + 3
+        table = rng.permutation(num_pages)[:b * max_pages].reshape(b, max_pages).astype(np.int32)
+        for name in ("k_cache", "v_cache"):
+            pool = draw(num_pages, page_size, hk, d)
+            pool[table] = c[name].reshape(b, max_pages, page_size, hk, d)
+            c[name + "_paged"] = pool
+        c["block_table"] = table
+    return c
+
+
+def kv_reference(q, k_logical, v_logical, counts, precision=None, **variants):
+    """(o, lse) of cuflash.reference, float64: entry b over its first counts[b] logical keys (a varlen
+    batch, so that causal is bottom-right per entry)."""
+    from cuflash import reference as ref
+
+    xp = _xp(q)
+    b, sq, h, d = q.shape
+    counts = [int(n) for n in (counts.get() if hasattr(counts, "get") else np.asarray(counts))]
+    cu_q = np.arange(b + 1, dtype=np.int32) * sq
+    cu_k = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    kp, vp = (xp.concatenate([x[i, :n] for i, n in enumerate(counts)]) for x in (k_logical, v_logical))
+    o, lse = ref.forward(q.reshape(b * sq, h, d), kp, vp, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, precision=precision,
+                         **variants)
+    return o.reshape(b, sq, h, d), lse.reshape(h, b, sq).transpose(1, 0, 2)
+
+
+def assert_matches(o, lse, want_o, want_lse, tol):
+    """o, lse against the reference: no NaN, -inf exactly where no key is seen (there o = 0)."""
+    o64, lse64 = np.asarray(o, dtype=np.float64), np.asarray(lse, dtype=np.float64)
+    assert not np.isnan(o64).any() and not np.isnan(lse64).any()
+    empty = np.isneginf(want_lse)
+    assert np.array_equal(np.isneginf(lse64), empty)
+    assert not o64[empty.transpose(0, 2, 1)].any()
+    scale = max(1.0, float(np.abs(want_o).max())) if want_o.size else 1.0
+    assert np.abs(o64 - want_o).max(initial=0) <= tol * scale
+    assert np.abs(lse64[~empty] - want_lse[~empty]).max(initial=0) <= tol * max(1.0, np.abs(want_lse[~empty]).max(initial=0))
+
+
+def slopes(shape, seed=0):
+    return np.random.default_rng(seed).uniform(0.05, 0.5, shape).astype(np.float32)
+
+
+# --- the NumPy backend ----------------------------------------------------------------------------------
+
+import cuflash  # noqa: E402
+
+# (batch, seqlen_q, nheads, nheads_k, capacity, seqlen_new, cache_seqlens)
+SHAPES = [
+    (3, 1, 8, 2, 128, 1, [17, 0, 127]),  # decoding, one entry with an empty cache
+    (3, 1, 8, 2, 128, 0, [17, 0, 128]),  # no append: an entry with no key at all
+    (2, 3, 8, 2, 128, 3, [70, 0]),  # speculative decoding
+    (2, 64, 4, 2, 192, 64, [0, 100]),  # chunked prefill
+    (2, 3, 4, 4, 64, 2, 30),  # cache_seqlens an int
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"b{s[0]}-sq{s[1]}-h{s[2]}:{s[3]}-new{s[5]}")
+def test_numpy_backend_matches_reference(shape, causal):
+    b, sq, h, hk, cap, new, lens = shape
+    c = make_cache(np.random.default_rng(sq + new), b, sq, h, hk, 32, cap, new, lens, page_size=16)
+    cs = lens if isinstance(lens, int) else np.array(lens, dtype=np.int32)
+    o, lse = cuflash.flash_attn_with_kvcache(c["q"], c["k_cache"], c["v_cache"], c["k"], c["v"], cache_seqlens=cs,
+                                             causal=causal, return_lse=True, backend="numpy")
+    assert_matches(o, lse, *kv_reference(c["q"], c["k_logical"], c["v_logical"], c["counts"], causal=causal), 1e-12)
+    assert isinstance(lens, int) or np.array_equal(cs, lens)  # cache_seqlens itself is not advanced
+    # the append, in place: the dense caches are now the logical ones, bit for bit
+    assert np.array_equal(c["k_cache"], c["k_logical"]) and np.array_equal(c["v_cache"], c["v_logical"])
+    # paged: the same answer, bitwise; the pages hold the appended rows, the spare pages are untouched
+    kp, vp = c["k_cache_paged"], c["v_cache_paged"]
+    spare = np.setdiff1d(np.arange(kp.shape[0]), c["block_table"])
+    before = kp[spare].copy()
+    o2, lse2 = cuflash.flash_attn_with_kvcache(c["q"], kp, vp, c["k"], c["v"], cache_seqlens=cs,
+                                               block_table=c["block_table"], causal=causal, return_lse=True,
+                                               backend="numpy")
+    assert np.array_equal(o2, o) and np.array_equal(lse2, lse)
+    assert np.array_equal(kp[c["block_table"]].reshape(c["k_logical"].shape), c["k_logical"])
+    assert np.array_equal(kp[spare], before)
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_paged_equals_dense_low_precision(page_size, dtype):
+    from cuflash.config import numpy_dtype
+
+    c = make_cache(np.random.default_rng(1), 2, 5, 8, 2, 64, 256, 5, [200, 9], page_size=page_size,
+                   dtype=numpy_dtype(dtype))
+    cs = np.array([200, 9], dtype=np.int32)
+    dense = cuflash.flash_attn_with_kvcache(c["q"], c["k_cache"], c["v_cache"], c["k"], c["v"], cache_seqlens=cs,
+                                           causal=True, return_lse=True, backend="numpy")
+    paged = cuflash.flash_attn_with_kvcache(c["q"], c["k_cache_paged"], c["v_cache_paged"], c["k"], c["v"],
+                                           cache_seqlens=cs, block_table=c["block_table"], causal=True,
+                                           return_lse=True, backend="numpy")
+    assert dense[0].dtype == c["q"].dtype
+    for x, y in zip(dense, paged):
+        assert np.array_equal(x.view(np.uint8), y.view(np.uint8))
+    q64 = c["q"].astype(np.float64)
+    want = kv_reference(q64, c["k_logical"].astype(np.float64), c["v_logical"].astype(np.float64), c["counts"],
+                        causal=True)
+    assert_matches(*dense, *want, {"float32": 2e-6, "float16": 2e-3, "bfloat16": 2e-2}[dtype])
+
+
+VARIANTS = [
+    dict(window=(5, 1)),
+    dict(window=(9, -1), causal=True),
+    dict(softcap=2.0),
+    dict(alibi_slopes=(8,), causal=True),
+    dict(alibi_slopes=(3, 8), window=(20, 0), softcap=3.0),
+]
+
+
+@pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: "-".join(kw))
+def test_variants(kw):
+    kw = dict(kw)
+    if "alibi_slopes" in kw:
+        kw["alibi_slopes"] = slopes(kw["alibi_slopes"])
+    lens = [40, 0, 3]
+    c = make_cache(np.random.default_rng(7), 3, 4, 8, 2, 32, 64, 4, lens, page_size=16)
+    o, lse = cuflash.flash_attn_with_kvcache(c["q"], c["k_cache_paged"], c["v_cache_paged"], c["k"], c["v"],
+                                             cache_seqlens=np.array(lens, dtype=np.int32),
+                                             block_table=c["block_table"], return_lse=True, backend="numpy", **kw)
+    assert_matches(o, lse, *kv_reference(c["q"], c["k_logical"], c["v_logical"], c["counts"], **kw), 1e-12)
+
+
+def test_empty_entries_and_no_keys():
+    c = make_cache(np.random.default_rng(3), 2, 3, 2, 1, 16, 32, 0, 0)
+    o, lse = cuflash.flash_attn_with_kvcache(c["q"], c["k_cache"], c["v_cache"], cache_seqlens=0, return_lse=True,
+                                             backend="numpy")
+    assert not o.any() and np.isneginf(lse).all()
+    # causal with more queries than keys: the first rows see nothing
+    c = make_cache(np.random.default_rng(4), 1, 6, 2, 1, 16, 32, 2, 1)
+    o, lse = cuflash.flash_attn_with_kvcache(c["q"], c["k_cache"], c["v_cache"], c["k"], c["v"], cache_seqlens=1,
+                                             causal=True, return_lse=True, backend="numpy")
+    assert np.isneginf(lse[:, :, :3]).all() and np.isfinite(lse[:, :, 3:]).all() and not o[:, :3].any()
+
+
+def test_backend_clamps_out_of_range_counts_and_pages():
+    """The NumPy backend's kvcache_forward, given what the API would refuse on the host, does what the
+    kernels do: counts clamped to [0, capacity], pages outside the pool read as zeros."""
+    from cuflash.backends import numpy as nb
+
+    c = make_cache(np.random.default_rng(5), 3, 2, 2, 1, 16, 64, 0, 0, page_size=16)
+    counts = np.array([-5, 1000, 40], dtype=np.int32)
+    table = c["block_table"].copy()
+    table[2, 1], table[2, 2] = -1, 10_000  # rows 16..47 of entry 2
+    o, lse = nb.kvcache_forward(c["q"], c["k_cache_paged"], c["v_cache_paged"], counts, table, causal=False,
+                                softmax_scale=0.25)
+    k, v = c["k_cache"].copy(), c["v_cache"].copy()
+    k[2, 16:48] = v[2, 16:48] = 0
+    want = kv_reference(c["q"], k, v, np.array([0, 64, 40]), softmax_scale=0.25)
+    assert_matches(o, lse, *want, 1e-12)
+
+
+def test_torch_host_tensors():
+    torch = pytest.importorskip("torch")
+    c = make_cache(np.random.default_rng(6), 2, 1, 4, 2, 16, 32, 1, [3, 30])
+    t = {n: torch.from_numpy(c[n]) for n in ("q", "k_cache", "v_cache", "k", "v")}
+    o = cuflash.flash_attn_with_kvcache(t["q"], t["k_cache"], t["v_cache"], t["k"], t["v"],
+                                        cache_seqlens=torch.tensor([3, 30], dtype=torch.int32), backend="numpy")
+    assert isinstance(o, torch.Tensor)
+    assert np.array_equal(t["k_cache"].numpy(), c["k_logical"])  # appended in the tensor's memory
+    want = kv_reference(c["q"], c["k_logical"], c["v_logical"], c["counts"])[0]
+    assert np.abs(o.numpy() - want).max() <= 1e-12
+
+
+# --- bad input ------------------------------------------------------------------------------------------
+
+
+def _bad_inputs():
+    c = make_cache(np.random.default_rng(8), 2, 1, 4, 2, 16, 32, 1, [3, 30], page_size=16)
+    base = dict(q=c["q"], k_cache=c["k_cache"], v_cache=c["v_cache"], k=c["k"], v=c["v"],
+                cache_seqlens=np.array([3, 30], dtype=np.int32))
+    paged = dict(base, k_cache=c["k_cache_paged"], v_cache=c["v_cache_paged"], block_table=c["block_table"])
+    return c, base, paged
+
+
+def _call(q, k_cache, v_cache, k=None, v=None, **kw):
+    return cuflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, backend="numpy", **kw)
+
+
+BAD = [
+    ("over capacity (dense)", lambda c, d, p: dict(d, cache_seqlens=np.array([3, 32], dtype=np.int32)), ValueError,
+     "cache_seqlens: cache_seqlens + seqlen_new must be <= the cache's capacity 32 (k_cache's dimension 1), got 32 + 1"),
+    ("over capacity (int)", lambda c, d, p: dict(d, cache_seqlens=32), ValueError, "cache_seqlens: cache_seqlens + seqlen_new"),
+    ("over capacity (paged)", lambda c, d, p: dict(p, cache_seqlens=np.array([32, 3], dtype=np.int32)), ValueError,
+     "capacity 32 (max_pages * page_size"),
+    ("negative", lambda c, d, p: dict(d, cache_seqlens=np.array([-1, 3], dtype=np.int32)), ValueError,
+     "cache_seqlens: must be >= 0, got -1 at index 0"),
+    ("negative int", lambda c, d, p: dict(d, cache_seqlens=-2), ValueError, "cache_seqlens: expected an int >= 0"),
+    ("page out of pool", lambda c, d, p: dict(p, block_table=np.array([[0, 1], [2, 7]], dtype=np.int32)), ValueError,
+     "block_table: entries must be page indices in [0, num_pages=7), got 7 at (1, 1)"),
+    ("negative page", lambda c, d, p: dict(p, block_table=np.array([[0, -1], [2, 3]], dtype=np.int32)), ValueError,
+     "block_table: entries must be page indices"),
+    ("page size", lambda c, d, p: dict(p, k_cache=c["k_cache_paged"][:, :8], v_cache=c["v_cache_paged"][:, :8]),
+     ValueError, "k_cache: page_size (dimension 1 of a paged cache) must be a positive multiple of 16, got 8"),
+    ("cache_seqlens int64", lambda c, d, p: dict(d, cache_seqlens=np.array([3, 3])), TypeError,
+     "cache_seqlens: dtype must be int32, got int64"),
+    ("cache_seqlens float", lambda c, d, p: dict(d, cache_seqlens=3.0), TypeError, "cache_seqlens: expected an int"),
+    ("cache_seqlens shape", lambda c, d, p: dict(d, cache_seqlens=np.array([3, 3, 3], dtype=np.int32)), ValueError,
+     "cache_seqlens: expected shape (2,) (batch)"),
+    ("block_table int64", lambda c, d, p: dict(p, block_table=c["block_table"].astype(np.int64)), TypeError,
+     "block_table: dtype must be int32"),
+    ("block_table shape", lambda c, d, p: dict(p, block_table=c["block_table"][:1]), ValueError,
+     "block_table: batch must equal q's (2)"),
+    ("block_table 1-D", lambda c, d, p: dict(p, block_table=c["block_table"][0]), ValueError,
+     "block_table: expected a 2-D array (batch, max_pages)"),
+    ("cache dtype", lambda c, d, p: dict(d, k_cache=c["k_cache"].astype(np.float32)), TypeError,
+     "k_cache: dtype must match q (float64), got float32"),
+    ("new dtype", lambda c, d, p: dict(d, v=c["v"].astype(np.float32)), TypeError, "v: dtype must match q"),
+    ("k without v", lambda c, d, p: dict(d, v=None), ValueError, "k and v: pass both (the new keys and values) or "
+     "neither, got only k"),
+    ("v without k", lambda c, d, p: dict(d, k=None), ValueError, "got only v"),
+    ("new shape", lambda c, d, p: dict(d, k=c["k"][:, :, :1], v=c["v"][:, :, :1]), ValueError,
+     "k: expected shape (2, seqlen_new, 2, 16)"),
+    ("k, v lengths", lambda c, d, p: dict(d, k=np.concatenate([c["k"], c["k"]], axis=1)), ValueError,
+     "k and v: shapes must be equal"),
+    ("cache shapes", lambda c, d, p: dict(d, v_cache=c["v_cache"][:, :16]), ValueError,
+     "k_cache and v_cache: shapes must be equal"),
+    ("cache batch", lambda c, d, p: dict(d, k_cache=c["k_cache"][:1], v_cache=c["v_cache"][:1]), ValueError,
+     "k_cache: batch must equal q's (2), got 1"),
+    ("cache heads", lambda c, d, p: dict(d, q=c["q"][:, :, :3]), ValueError, "k_cache: nheads_k must divide q's nheads (3)"),
+    ("cache head_dim", lambda c, d, p: dict(d, q=np.zeros((2, 1, 4, 8))), ValueError, "k_cache: head_dim must equal q's (8)"),
+    ("cache 3-D", lambda c, d, p: dict(d, k_cache=c["k_cache"][0]), ValueError, "k_cache: expected a 4-D array"),
+    ("strided cache", lambda c, d, p: dict(d, k_cache=c["k_cache"][..., ::2], v_cache=c["v_cache"][..., ::2],
+                                           q=c["q"][..., :8], k=c["k"][..., :8], v=c["v"][..., :8]), ValueError,
+     "k_cache: the last dimension must be contiguous"),
+    ("cache a list", lambda c, d, p: dict(d, k_cache=[1.0]), TypeError, "k_cache: expected a NumPy or CuPy array"),
+    ("causal", lambda c, d, p: dict(d, causal=1), TypeError, "causal: expected a bool"),
+    ("window", lambda c, d, p: dict(d, window=(1,)), TypeError, "window: expected a pair of ints"),
+    ("alibi shape", lambda c, d, p: dict(d, alibi_slopes=np.ones(3, dtype=np.float32)), ValueError, "alibi_slopes"),
+]
+
+
+@pytest.mark.parametrize("name,make,exc,msg", BAD, ids=[b[0] for b in BAD])
+def test_bad_input(name, make, exc, msg):
+    c, dense, paged = _bad_inputs()
+    kw = make(c, dense, paged)
+    before = (c["k_cache"].copy(), c["k_cache_paged"].copy())
+    with pytest.raises(exc, match=re_escape(msg)):
+        _call(**kw)
+    # nothing was appended by a refused call
+    assert np.array_equal(before[0], c["k_cache"]) and np.array_equal(before[1], c["k_cache_paged"])
+
+
+def re_escape(s):
+    import re
+
+    return re.escape(s)
+
+
+# --- the Numba prototypes, on the simulator --------------------------------------------------------------
+
+# name -> (batch, seqlen_q, nheads, nheads_k, head_dim, capacity, seqlen_new, cache_seqlens, causal, page_size,
+#          dtype, variants). Tiles 16 x 16, one warp (the simulator runs each thread as a Python thread).
+SIM_CASES = {
+    "decode_gqa": (3, 1, 8, 2, 16, 48, 1, [20, 0, 47], False, 16, "float32", {}),
+    "speculative_causal": (2, 3, 4, 2, 16, 48, 3, [7, 0], True, 16, "float64", {}),
+    "prefill_chunk_causal": (2, 20, 2, 1, 16, 64, 20, [10, 30], True, 32, "float64", {}),
+    "no_keys": (2, 2, 2, 1, 16, 32, 0, [0, 5], True, 16, "float64", {}),
+    "variants": (2, 3, 4, 2, 16, 48, 2, [9, 30], False, 16, "float32",
+                 dict(window=(6, 1), softcap=2.0, alibi_slopes=(2, 4))),
+}
+# through the public API with the backend's own config: (case, page_size for the paged call)
+SIM_API = ("api_append", (2, 2, 2, 1, 16, 128, 2, [5, 100], True, 64, "float64", {}))
+
+
+def _sim_kw(variants):
+    kw = dict(variants)
+    if "alibi_slopes" in kw:
+        kw["alibi_slopes"] = slopes(kw["alibi_slopes"])
+    return kw
+
+
+def _sim_worker(out_path: str) -> None:
+    import cuflash.api as api
+    from cuflash import _params
+    from cuflash.backends import numba as nb
+    from cuflash.config import KernelConfig
+
+    assert nb._simulator(), "NUMBA_ENABLE_CUDASIM=1 must be set before numba is imported"
+    arrays = {}
+    for seed, (name, case) in enumerate(SIM_CASES.items()):
+        b, sq, h, hk, d, cap, new, lens, causal, ps, dt, variants = case
+        try:
+            c = make_cache(np.random.default_rng(seed), b, sq, h, hk, d, cap, new, lens, page_size=ps, dtype=dt)
+            vkw = _sim_kw(variants)
+            for label, caches, table in (("dense", ("k_logical", "v_logical"), None),
+                                         ("paged", ("k_cache_paged", "v_cache_paged"), c["block_table"])):
+                if table is not None:  # the pools hold the pre-append caches: append as the API would
+                    for n, new_rows in (("k_cache_paged", c["k"]), ("v_cache_paged", c["v"])):
+                        for i, start in enumerate(np.broadcast_to(lens, (b,))):
+                            for r in range(new):
+                                j = start + r
+                                c[n][table[i, j // ps], j % ps] = new_rows[i, r]
+                kvcache = (c["counts"], table)
+                cfg = KernelConfig("flash_fwd", dt, d, 16, 16, 1, _params.variant(causal, kvcache=kvcache, **vkw))
+                o, lse = nb._forward(c["q"], c[caches[0]], c[caches[1]], causal=causal,
+                                     softmax_scale=1.0 / math.sqrt(d), cfg=cfg, kvcache=kvcache, **vkw)
+                arrays[f"{name}/{label}/o"], arrays[f"{name}/{label}/lse"] = o, lse
+            arrays[f"{name}/failure"] = np.array("")
+        except Exception:
+            arrays[f"{name}/failure"] = np.array(traceback.format_exc())
+
+    # out-of-range counts and pages straight to the backend (what unchecked device values can be)
+    try:
+        c = make_cache(np.random.default_rng(50), 3, 2, 2, 1, 16, 64, 0, 0, page_size=16)
+        table = c["block_table"].copy()
+        table[2, 1], table[2, 2] = -1, 10_000
+        counts = np.array([-5, 1000, 40], dtype=np.int32)
+        o, lse = nb.kvcache_forward(c["q"], c["k_cache_paged"], c["v_cache_paged"], counts, table, causal=False,
+                                    softmax_scale=0.25)
+        arrays["clamp/o"], arrays["clamp/lse"] = o, lse
+        arrays["clamp/failure"] = np.array("")
+    except Exception:
+        arrays["clamp/failure"] = np.array(traceback.format_exc())
+
+    name, (b, sq, h, hk, d, cap, new, lens, causal, ps, dt, _) = SIM_API
+    try:
+        c = make_cache(np.random.default_rng(60), b, sq, h, hk, d, cap, new, lens, page_size=ps, dtype=dt)
+        cs = np.array(lens, dtype=np.int32)
+        o, lse = api.flash_attn_with_kvcache(c["q"], c["k_cache"], c["v_cache"], c["k"], c["v"], cache_seqlens=cs,
+                                             causal=causal, return_lse=True, backend="numba")
+        o2, lse2 = api.flash_attn_with_kvcache(c["q"], c["k_cache_paged"], c["v_cache_paged"], c["k"], c["v"],
+                                               cache_seqlens=cs, block_table=c["block_table"], causal=causal,
+                                               return_lse=True, backend="numba")
+        arrays.update({f"{name}/dense/o": o, f"{name}/dense/lse": lse, f"{name}/paged/o": o2, f"{name}/paged/lse": lse2,
+                       f"{name}/k_cache": c["k_cache"], f"{name}/k_pool": c["k_cache_paged"]})
+        arrays[f"{name}/failure"] = np.array("")
+    except Exception:
+        arrays[f"{name}/failure"] = np.array(traceback.format_exc())
+    np.savez(out_path, **arrays)
+
+
+@pytest.fixture(scope="module")
+def sim(tmp_path_factory):
+    import importlib.util
+
+    if importlib.util.find_spec("numba_cuda") is None:
+        pytest.skip("numba-cuda is not installed (pip install cuflash[numba])")
+    out = tmp_path_factory.mktemp("kvcache_sim") / "results.npz"
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    r = subprocess.run([sys.executable, __file__, "--sim-worker", str(out)], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, f"simulator worker failed:\n{r.stdout}\n{r.stderr}"
+    with np.load(out) as z:
+        return {key: z[key] for key in z.files}
+
+
+def _ok(sim, name):
+    failure = str(sim[f"{name}/failure"])
+    assert not failure, failure
+
+
+@pytest.mark.parametrize("name", list(SIM_CASES))
+def test_numba_matches_reference(sim, name):
+    _ok(sim, name)
+    b, sq, h, hk, d, cap, new, lens, causal, ps, dt, variants = SIM_CASES[name]
+    c = make_cache(np.random.default_rng(list(SIM_CASES).index(name)), b, sq, h, hk, d, cap, new, lens,
+                   page_size=ps, dtype=dt)
+    kw = dict(_sim_kw(variants), causal=causal)
+    want = kv_reference(c["q"].astype(np.float64), c["k_logical"].astype(np.float64),
+                        c["v_logical"].astype(np.float64), c["counts"], **kw)
+    got = sim[f"{name}/dense/o"], sim[f"{name}/dense/lse"]
+    assert_matches(*got, *want, 1e-12 if dt == "float64" else 2e-6)
+    # in-kernel paging reads the same values in the same order: bitwise the dense result
+    for key in ("o", "lse"):
+        assert np.array_equal(sim[f"{name}/paged/{key}"], sim[f"{name}/dense/{key}"])
+
+
+def test_numba_clamps_like_numpy(sim):
+    from cuflash.backends import numpy as nb
+
+    _ok(sim, "clamp")
+    c = make_cache(np.random.default_rng(50), 3, 2, 2, 1, 16, 64, 0, 0, page_size=16)
+    table = c["block_table"].copy()
+    table[2, 1], table[2, 2] = -1, 10_000
+    counts = np.array([-5, 1000, 40], dtype=np.int32)
+    want = nb.kvcache_forward(c["q"], c["k_cache_paged"], c["v_cache_paged"], counts, table, causal=False,
+                              softmax_scale=0.25)
+    assert_matches(sim["clamp/o"], sim["clamp/lse"], *want, 1e-12)
+
+
+def test_numba_api_append(sim):
+    name, (b, sq, h, hk, d, cap, new, lens, causal, ps, dt, _) = SIM_API
+    _ok(sim, name)
+    c = make_cache(np.random.default_rng(60), b, sq, h, hk, d, cap, new, lens, page_size=ps, dtype=dt)
+    assert np.array_equal(sim[f"{name}/k_cache"], c["k_logical"])
+    pool = sim[f"{name}/k_pool"]
+    assert np.array_equal(pool[c["block_table"]].reshape(c["k_logical"].shape), c["k_logical"])
+    want = kv_reference(c["q"], c["k_logical"], c["v_logical"], c["counts"], causal=causal)
+    assert_matches(sim[f"{name}/dense/o"], sim[f"{name}/dense/lse"], *want, 1e-12)
+    for key in ("o", "lse"):
+        assert np.array_equal(sim[f"{name}/paged/{key}"], sim[f"{name}/dense/{key}"])
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--sim-worker":
+    _sim_worker(sys.argv[2])
