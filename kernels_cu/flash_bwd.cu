@@ -497,11 +497,8 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dq(const __grid_consta
             Dropout(p.fwd, batch, head).for_each_keep(acc_dp, row_begin + warp_row0, key0, lane,
                                                       [rp](float& x, bool kept) { x = kept ? x * rp : 0.f; });
         }
-        // Mask, then score modifiers; dS = P * (dP - D), times the softcap's 1 - tanh^2. With a softcap
-        // the mask comes last, on dS: tanh would make a masked -inf finite, and a select per score on
-        // every tile costs more than a walk over the tiles that need the mask.
-        constexpr bool kMaskDs = Mod::kIsSoftcap;
-        if (!kMaskDs && mask.template needs_mask<kBlockM, kBlockN>(m_block, n_block)) {
+        // Mask, then score modifiers on the visible scores; dS = P * (dP - D), times the softcap's 1 - tanh^2
+        if (mask.template needs_mask<kBlockM, kBlockN>(m_block, n_block)) {
             // lane through recompute: the walk's row / column offsets are not kept across the loop
             for_each_score<kMTiles, kNTilesS>(row_begin + warp_row0, key0, recompute(lane), [&](float& x, int row, int col) {
                 if (!mask.visible(row, col)) x = neg_inf<float>();
@@ -518,17 +515,13 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dq(const __grid_consta
                     float sv = acc_s[mi][ni][e], dcap = 1.f;
                     if constexpr (Mod::kTransform) {
                         const int row = row_begin + warp_row0 + 16 * mi + g + 8 * (e >> 1);
-                        sv = mod.apply(sv, row, key0 + 8 * ni + 2 * t + (e & 1), dcap);  // ALiBi keeps -inf
+                        const float x = mod.apply(sv, row, key0 + 8 * ni + 2 * t + (e & 1), dcap);
+                        // masked scores stay -inf: a select, not a branch around tanh (ALiBi keeps -inf itself)
+                        sv = Mod::kIsSoftcap && sv == neg_inf<float>() ? sv : x;
                     }
                     const float pv = exp2f(sv * scale_log2 - lse_off[r]);
                     acc_dp[mi][ni][e] = pv * (acc_dp[mi][ni][e] - dsum[r]) * dcap;  // now dS
                 }
-        if (kMaskDs && mask.template needs_mask<kBlockM, kBlockN>(m_block, n_block)) {
-            // dS of an invisible score is 0 (whatever inf or NaN its unmasked P gave)
-            for_each_score<kMTiles, kNTilesS>(row_begin + warp_row0, key0, recompute(lane), [&](float& x, int row, int col) {
-                if (!mask.visible(row, col)) x = 0.f;
-            }, acc_dp);
-        }
 
         // [12] dQ += dS K
         // A = dS (queries x keys, k-slice ks = keys 16*ks..+15, n-tiles 2ks, 2ks+1); B = K (k = keys, n = dims).
