@@ -515,7 +515,9 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dq(const __grid_consta
                     float sv = acc_s[mi][ni][e], dcap = 1.f;
                     if constexpr (Mod::kTransform) {
                         const int row = row_begin + warp_row0 + 16 * mi + g + 8 * (e >> 1);
-                        if (sv != neg_inf<float>()) sv = mod.apply(sv, row, key0 + 8 * ni + 2 * t + (e & 1), dcap);
+                        const float x = mod.apply(sv, row, key0 + 8 * ni + 2 * t + (e & 1), dcap);
+                        // masked scores stay -inf: a select, not a branch around tanh (ALiBi keeps -inf itself)
+                        sv = Mod::kIsSoftcap && sv == neg_inf<float>() ? sv : x;
                     }
                     const float pv = exp2f(sv * scale_log2 - lse_off[r]);
                     acc_dp[mi][ni][e] = pv * (acc_dp[mi][ni][e] - dsum[r]) * dcap;  // now dS

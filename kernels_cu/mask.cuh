@@ -12,8 +12,10 @@
 // - kDropout: dropout.cuh.
 // - kVarlen: each batch entry's rows and lengths come from cu_seqlens (seqinfo.cuh).
 // - kSeqused, kPaged: a KV cache's key counts and pages (seqinfo.cuh; forward kernels only).
-// Without kSoftcap / kAlibi the kernels keep scores in q.k units and fold softmax_scale into exp2's
-// scale; with either, ScoreMod turns them into logits and exp2's scale is log2(e).
+// The kernels hold scores in units of their own, a constant factor off the logit, so that the factor
+// rides on exp2's scale (ScoreMod::score_log2) and the LSE's (lse_scale) instead of costing a multiply
+// per score: q.k (logit / softmax_scale) without a softcap, as plain attention; tanh's t (logit /
+// softcap) with one.
 #pragma once
 #include "common.cuh"
 #include "params.cuh"
@@ -104,48 +106,58 @@ struct Mask {
     }
 };
 
-// Natural exp of 2x and tanh from it: 1 - 2 / (e^2x + 1), one ex2 and one fast reciprocal, exact to
-// about 1e-7 absolute (what a logit needs; tanhf is several times longer). Saturates to +-1, no NaN.
-__device__ __forceinline__ float tanh_fast(float x) {
-    return 1.f - __fdividef(2.f, exp2f(x * 2.8853900817779268f) + 1.f);
-}
+// tanh(x) from u = x * 2 log2(e), which the caller folds into a multiply of its own: 1 - 2 / (e^2x + 1),
+// one ex2 and one fast reciprocal, exact to about 1e-7 absolute (what a logit needs; tanhf is several
+// times longer; tanh.approx's 2^-11 relative error would show in bf16 results). Saturates to +-1, no NaN.
+__device__ __forceinline__ float tanh_fast(float u) { return 1.f - __fdividef(2.f, exp2f(u) + 1.f); }
 
 // The score transform of kSoftcap / kAlibi for one (batch, head). kFast: tanh_fast (tensor-core
 // kernels, 16-bit outputs) rather than the library's tanh (SIMT kernels, fp32 / fp64 outputs).
+// Held units (header): logit = unit * held, unit = softcap with a softcap, else softmax_scale. Every
+// per-score constant is folded here once, so a score costs one multiply into tanh and one FFMA of ALiBi.
 template <typename A, int kVariant, bool kFast>
 struct ScoreMod {
+    static constexpr bool kIsSoftcap = (kVariant & kSoftcap) != 0;
     static constexpr bool kTransform = (kVariant & (kSoftcap | kAlibi)) != 0;
-    A scale;        // softmax_scale
-    A softcap, inv_softcap;
-    A slope;        // ALiBi slope of this (batch, head)
+    A unit;         // logit per held unit: softcap, or softmax_scale
+    A tanh_in;      // q.k -> tanh's argument scale / softcap, times 2 log2(e) with kFast
+    A bias;         // ALiBi slope per held unit: slope / unit
+    A score_log2_;  // exp2's scale: unit * log2(e)
     int shift;
 
-    __device__ __forceinline__ ScoreMod(const FwdParams& p, int batch, int head, int shift_)
-        : scale(static_cast<A>(p.softmax_scale)), softcap(static_cast<A>(p.softcap)),
-          inv_softcap((kVariant & kSoftcap) ? A(1) / static_cast<A>(p.softcap) : A(0)),
-          slope((kVariant & kAlibi) ? static_cast<A>(p.alibi_slopes[batch * p.alibi_batch_stride + head]) : A(0)),
-          shift(shift_) {}
+    __device__ __forceinline__ ScoreMod(const FwdParams& p, int batch, int head, int shift_) : shift(shift_) {
+        const A scale = static_cast<A>(p.softmax_scale);
+        unit = kIsSoftcap ? static_cast<A>(p.softcap) : scale;
+        tanh_in = kIsSoftcap ? scale / unit * (kFast ? A(2.8853900817779268) : A(1)) : A(0);
+        const A slope = (kVariant & kAlibi) ? static_cast<A>(p.alibi_slopes[batch * p.alibi_batch_stride + head]) : A(0);
+        // |bias| <= 2^100 (2^1000): bias * |i' - j| stays finite, so a masked -inf stays -inf (and such
+        // a slope leaves every off-diagonal P 0 either way)
+        const A b = slope / unit, big = sizeof(A) == 4 ? A(1.2676506002282294e30) : A(1.0715086071862673e301);
+        bias = b > big ? big : b < -big ? -big : b;  // NaN stays NaN
+        score_log2_ = kIsSoftcap ? unit * A(1.4426950408889634) : static_cast<A>(p.scale_log2);
+    }
 
     // exp2's scale for the scores the kernel holds, and the LSE's factor on the row max.
     __device__ __forceinline__ A score_log2(const FwdParams& p) const {
-        return kTransform ? A(1.4426950408889634) : static_cast<A>(p.scale_log2);
+        return kTransform ? score_log2_ : static_cast<A>(p.scale_log2);
     }
-    __device__ __forceinline__ A lse_scale() const { return kTransform ? A(1) : scale; }
+    __device__ __forceinline__ A lse_scale() const { return unit; }
 
     // [5] Score modifiers: q.k -> softcap * tanh(scale * q.k / softcap) - slope * |i' - j|.
-    // dcap receives d logit / d(scale * q.k) = 1 - tanh^2 (1 without a softcap).
+    // In held units: t = tanh(scale * q.k / softcap) (else q.k), minus (slope / unit) * |i' - j|.
+    // dcap receives d logit / d(scale * q.k) = 1 - t^2 (1 without a softcap).
     __device__ __forceinline__ A apply(A s, int row, int col, A& dcap) const {
         dcap = A(1);
         if constexpr (!kTransform) return s;
-        A x = s * scale;
-        if constexpr ((kVariant & kSoftcap) != 0) {
-            A t;
-            if constexpr (kFast) t = tanh_fast(x * inv_softcap);
-            else t = tanh(x * inv_softcap);
-            x = softcap * t;
-            dcap = A(1) - t * t;
+        A x = s;
+        if constexpr (kIsSoftcap) {
+            if constexpr (kFast) x = tanh_fast(s * tanh_in);
+            else x = tanh(s * tanh_in);
+            dcap = A(1) - x * x;
         }
-        if constexpr ((kVariant & kAlibi) != 0) x -= slope * static_cast<A>(abs(row + shift - col));
+        // i' - j in ints: a tile's differences repeat (rows g and g + 8, columns c and c + 8), so the
+        // compiler converts each distinct one once; the abs rides on the FFMA
+        if constexpr ((kVariant & kAlibi) != 0) x = fma(-bias, fabs(static_cast<A>(row + shift - col)), x);
         return x;
     }
 };

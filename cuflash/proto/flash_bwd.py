@@ -14,7 +14,7 @@ the forward (flash_fwd.py); with VARLEN every array is a packed (1, total, ...) 
 and the grids are sized by the longest sequences.
 
 Variants as in flash_bwd.cu: the mask gives each kernel's loop range, S passes through score_mod and
-the mask before P is recomputed (exp2's scale log2(e) when they make logits), and a softcap multiplies
+the mask before P is recomputed (exp2's scale from score_mod_init: the held units'), and a softcap multiplies
 dS by 1 - tanh^2. Dropout regenerates the forward's keep flags (one Philox call per score): dV takes
 the dropped P (a dropped entry is held as -P, as in flash_bwd.cu, and dV reads max(P, 0)), scaled by
 1 / (1 - p) at the store; dL/dP is dP / (1 - p) where kept and 0 where dropped.
@@ -43,7 +43,7 @@ from numba import cuda, uint64
 from ..config import VARLEN, longest_first
 from .dropout import keep
 from .flash_fwd import acc_type, load_tile, thread_layout, variant_flags
-from .mask import m_block_range, n_block_range, needs_mask, score_mod, visible
+from .mask import m_block_range, n_block_range, needs_mask, score_mod, score_mod_init, visible
 from .seqinfo import batch_index, seq_info
 
 LOG2E = 1.4426950408889634  # log2(e), as in flash_bwd.cu
@@ -146,7 +146,6 @@ def make_flash_bwd_dkdv(cfg):
         shift = seqlen_k - seqlen_q
         m_block_first, m_block_end = m_block_range(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k,
                                                    BLOCK_M, BLOCK_N, n_block)
-        score_log2 = ACC(LOG2E) if TRANSFORM else scale_log2
         row0 = tid // TPR
         lane = tid % TPR
 
@@ -174,7 +173,10 @@ def make_flash_bwd_dkdv(cfg):
 
         for hq in range(group):
             head = head_k * group + hq
+            # ScoreMod of this (batch, head): the transform's constants and exp2's scale (score_mod_init)
             slope = alibi_slopes[batch * alibi_batch_stride + head] if IS_ALIBI else ACC(0)
+            _, tanh_in, bias, score_log2 = score_mod_init(IS_SOFTCAP, softmax_scale, softcap, slope, scale_log2,
+                                                          ACC(LOG2E))
             bh = uint64(batch * nheads + head)  # dropout: Philox counter word 2
             for m_block in range(m_block_first, m_block_end):
                 row_begin = m_block * BLOCK_M
@@ -200,8 +202,7 @@ def make_flash_bwd_dkdv(cfg):
                             s += sQ[r, d] * sK[c, d]
                         acc_s[i] = s
                         if TRANSFORM:
-                            x, dcap = score_mod(IS_SOFTCAP, IS_ALIBI, softmax_scale, softcap, slope, shift, acc_s[i],
-                                                row, col)
+                            x, dcap = score_mod(IS_SOFTCAP, IS_ALIBI, tanh_in, bias, shift, acc_s[i], row, col)
                             acc_s[i] = x
                             if IS_SOFTCAP:
                                 acc_cap[i] = dcap
@@ -326,8 +327,10 @@ def make_flash_bwd_dq(cfg):
         shift = seqlen_k - seqlen_q
         n_block_min, n_block_end = n_block_range(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k,
                                                  BLOCK_M, BLOCK_N, m_block)
+        # ScoreMod of this (batch, head): the transform's constants and exp2's scale (score_mod_init)
         slope = alibi_slopes[batch * alibi_batch_stride + head] if IS_ALIBI else ACC(0)
-        score_log2 = ACC(LOG2E) if TRANSFORM else scale_log2
+        _, tanh_in, bias, score_log2 = score_mod_init(IS_SOFTCAP, softmax_scale, softcap, slope, scale_log2,
+                                                      ACC(LOG2E))
         bh = uint64(batch * nheads + head)  # dropout: Philox counter word 2
         row0 = tid // TPR
         lane = tid % TPR
@@ -385,8 +388,7 @@ def make_flash_bwd_dq(cfg):
                             acc_dp[i] = 0
                     dcap = ACC(1)
                     if TRANSFORM:
-                        x, dc = score_mod(IS_SOFTCAP, IS_ALIBI, softmax_scale, softcap, slope, shift, acc_s[i],
-                                          row, col)
+                        x, dc = score_mod(IS_SOFTCAP, IS_ALIBI, tanh_in, bias, shift, acc_s[i], row, col)
                         acc_s[i] = x
                         dcap = dc
                     if masked:

@@ -53,11 +53,11 @@ from numba import cuda, uint64
 
 from ..config import ALIBI, DROPOUT, LOCAL, PAGED, SEQUSED, SOFTCAP, VARLEN, longest_first
 from .dropout import keep
-from .mask import n_block_range, needs_mask, score_mod, visible
+from .mask import n_block_range, needs_mask, score_mod, score_mod_init, visible
 from .seqinfo import batch_index, key_row, seq_info, used_keys
 from .softmax import softmax_finalize, softmax_init, softmax_update
 
-LOG2E = 1.4426950408889634  # exp2's scale for logits (ScoreMod::score_log2 with a transform)
+LOG2E = 1.4426950408889634  # log2(e): exp2's scale is unit * LOG2E (ScoreMod::score_log2)
 
 
 def acc_type(dtype: str):
@@ -130,7 +130,7 @@ def load_keys(s, g, is_paged, block_table, batch, bidx, k_start, key0, head, seq
 
 def variant_flags(cfg):
     """(local, softcap, alibi, dropout, varlen) of cfg.variant, and transform = softcap or alibi
-    (mask.cuh's kTransform: the scores become natural-unit logits)."""
+    (mask.cuh's kTransform: the scores pass through score_mod)."""
     v = cfg.variant
     local, softcap, alibi = bool(v & LOCAL), bool(v & SOFTCAP), bool(v & ALIBI)
     return local, softcap, alibi, bool(v & DROPOUT), bool(v & VARLEN), softcap or alibi
@@ -175,14 +175,11 @@ def make_flash_fwd(cfg):
         shift = seqlen_k - seqlen_q
         n_block_min, n_block_end = n_block_range(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k,
                                                  BLOCK_M, BLOCK_N, m_block)
-        # ScoreMod: the slope of this (batch, head); exp2's scale and the LSE's factor on the row max
+        # ScoreMod of this (batch, head): the held units' factor (the LSE's factor on the row max), the
+        # transform's constants and exp2's scale
         slope = alibi_slopes[batch * alibi_batch_stride + head] if IS_ALIBI else ACC(0)
-        if TRANSFORM:
-            score_log2 = ACC(LOG2E)
-            lse_scale = ACC(1)
-        else:
-            score_log2 = scale_log2
-            lse_scale = softmax_scale
+        lse_scale, tanh_in, bias, score_log2 = score_mod_init(IS_SOFTCAP, softmax_scale, softcap, slope, scale_log2,
+                                                              ACC(LOG2E))
         bh = uint64(batch * nheads + head)  # dropout: Philox counter word 2
 
         # Thread tid owns rows row0 + i * ROW_STRIDE and columns lane + j * TPR (thread_layout).
@@ -237,8 +234,8 @@ def make_flash_fwd(cfg):
                 for i in range(RPT):
                     row = row_begin + row0 + i * ROW_STRIDE
                     for j in range(S_CPT):
-                        x, dcap = score_mod(IS_SOFTCAP, IS_ALIBI, softmax_scale, softcap, slope, shift, acc_s[i, j],
-                                            row, key0 + lane + j * TPR)
+                        x, dcap = score_mod(IS_SOFTCAP, IS_ALIBI, tanh_in, bias, shift, acc_s[i, j], row,
+                                            key0 + lane + j * TPR)
                         acc_s[i, j] = x
             if needs_mask(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, m_block, n_block):
                 for i in range(RPT):
@@ -274,7 +271,7 @@ def make_flash_fwd(cfg):
                     acc_o[i, j] = a
 
         # [7] Finalize: O /= row_sum, LSE = row_max * softmax_scale + log(row_sum); rows that saw no key give O = 0, LSE = -inf
-        # (softmax_scale here is lse_scale: 1 when the scores are logits already)
+        # (softmax_scale here is lse_scale: the held units' factor, softcap with a softcap)
         softmax_finalize(acc_o, row_max, row_sum, lse_rows, sRed, row0, ROW_STRIDE, lane, TPR, lse_scale)
 
         # [8] Store O and LSE

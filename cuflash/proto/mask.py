@@ -8,8 +8,8 @@ is right = 0. Without is_local every key below seqlen_k is visible.
 mask.cuh's struct Mask holds (params, seqlen_q, seqlen_k); here its values are the leading arguments
 of each rule: (is_local, left, right, seqlen_q, seqlen_k, ...). The kernels pass is_local as a closure
 constant, so the branches fold after compilation as the C++ template's do. ScoreMod becomes
-score_mod, with its template bits (is_softcap, is_alibi) and values (scale, softcap, slope, shift)
-leading likewise.
+score_mod_init (its constructor) and score_mod, with its template bits (is_softcap, is_alibi) and
+values (tanh_in, bias, shift) leading likewise.
 
 mask.cuh's fragment walks (mma.cuh for_each_score / for_each_score_t) have no counterpart: the
 prototypes test `visible` per element of their own (rows, strided columns) layout.
@@ -91,17 +91,31 @@ def needs_mask(is_local, left, right, seqlen_q, seqlen_k, block_m, block_n, m_bl
 
 
 @cuda.jit(device=True)
-def score_mod(is_softcap, is_alibi, scale, softcap, slope, shift, s, row, col):
+def score_mod_init(is_softcap, scale, softcap, slope, scale_log2, log2e):
+    # ScoreMod's constructor: (unit, tanh_in, bias, score_log2) of one (batch, head). The kernels hold
+    # scores in units of logit / unit (unit = softcap with a softcap, else scale: q.k, as plain
+    # attention), so that unit rides on exp2's scale (score_log2) and the LSE's factor (unit) rather than
+    # costing a multiply per score. log2e: LOG2E as acc_t (a Python float would promote to float64).
+    # (The CUDA ScoreMod also clamps bias to a finite value and, with tanh_fast, folds 2 log2(e) into tanh_in.)
+    unit = softcap if is_softcap else scale
+    tanh_in = scale / unit
+    bias = slope / unit
+    score_log2 = unit * log2e if is_softcap else scale_log2
+    return unit, tanh_in, bias, score_log2
+
+
+@cuda.jit(device=True)
+def score_mod(is_softcap, is_alibi, tanh_in, bias, shift, s, row, col):
     # [5] Score modifiers: q.k -> softcap * tanh(scale * q.k / softcap) - slope * |i' - j|.
-    # Returns (the logit, dcap = d logit / d(scale * q.k) = 1 - tanh^2, 1 without a softcap). Only
-    # called when is_softcap or is_alibi (mask.cuh's kTransform): the scores stay in q.k units otherwise.
+    # In held units (score_mod_init): t = tanh(scale * q.k / softcap) (else q.k), minus bias * |i' - j|.
+    # Returns (the held score, dcap = d logit / d(scale * q.k) = 1 - t^2, 1 without a softcap). Only
+    # called when is_softcap or is_alibi (mask.cuh's kTransform): plain scores stay as they are.
     # tanh: the library's (ScoreMod<kFast = false>, as the SIMT kernels; the tensor-core ones use tanh_fast).
     dcap = 1.0
-    x = s * scale
+    x = s
     if is_softcap:
-        t = math.tanh(x / softcap)
-        x = softcap * t
-        dcap = 1.0 - t * t
+        x = math.tanh(s * tanh_in)
+        dcap = 1.0 - x * x
     if is_alibi:
-        x -= slope * abs(row + shift - col)
+        x -= bias * abs(row + shift - col)
     return x, dcap
