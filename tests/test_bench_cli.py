@@ -543,7 +543,8 @@ def test_every_gpu_suite_with_fakes(monkeypatch):
         (compiled.append(c), progress(c, i, len(cfgs))) for i, c in enumerate(cfgs, 1)])
 
     steps = []
-    names = tuple(n for n in SUITES if n != "train")  # train's GPU path on the CPU: tests/test_bench_train.py
+    # the GPU paths of train and decode on the CPU: tests/test_bench_train.py, tests/test_bench_decode.py
+    names = tuple(n for n in SUITES if n not in ("train", "decode"))
     s = Settings(suites=names, quick=True, seqlens=(16, 32), batch=1, heads=1, head_dim=16, repeats=10,
                  cell_seconds=0.05)
     runner = suites.Runner(s, advance=lambda suite, text: steps.append(suite))

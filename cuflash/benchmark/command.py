@@ -123,7 +123,8 @@ def parse_png(ctx, param, value) -> str | None:
                    "(float32 on the CPU). The accuracy suite always covers float32, float16, bfloat16.")
 @click.option("--causal/--no-causal", default=True, show_default=True, help="Causal (bottom-right) mask.")
 @click.option("--batch", type=click.IntRange(min=1), default=None,
-              help="Batch size (default 2; accuracy 1; CPU 1; train 4). The headdim suite is fixed: B=1, H*d=1024.")
+              help="Batch size (default 2; accuracy 1; CPU 1; train 4). The headdim suite is fixed: B=1, H*d=1024; "
+                   "decode's shapes are fixed (only --dtype and --quick apply).")
 @click.option("--heads", type=click.IntRange(min=1), default=None,
               help="Heads (default 8; accuracy 4; CPU 2; train 1024 / head dim).")
 @click.option("--head-dim", type=int, callback=parse_head_dim, default=None,
@@ -158,10 +159,11 @@ def bench(suites, dtype, causal, batch, heads, head_dim, seqlens, backends, json
     """Benchmark cuflash against materialized attention and PyTorch's SDPA backends.
 
     Figures are the median of >= 10 timed runs after warm-up (CUDA events); the JSON keeps min and
-    max. The launch suite reports host time per cached call beside torch SDPA's; the train suite times
-    a GPT training step with each attention and attention's share of it. Without a GPU (or with --cpu)
-    it runs the memory and accuracy suites of the NumPy backend against materialized NumPy at small N
-    instead, whatever --suite says (train is skipped, with one line saying so).
+    max. The launch suite reports host time per cached call beside torch SDPA's; the decode suite the
+    KV-cache read bandwidth of one query row against torch SDPA's and a device copy's; the train suite
+    times a GPT training step with each attention and attention's share of it. Without a GPU (or with
+    --cpu) it runs the memory and accuracy suites of the NumPy backend against materialized NumPy at
+    small N instead, whatever --suite says (train and decode are skipped, with one line each).
     """
     from rich.console import Console
 

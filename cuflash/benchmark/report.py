@@ -29,7 +29,7 @@ meta (all keys present; a value is null where it cannot be known)::
     versions          object         python, numpy, cupy, torch, ml_dtypes, matplotlib (null if absent)
     notes             [str]          anything a reader must know (fallbacks taken, precompile time)
 
-suites[name] (name in seqlen, headdim, memory, launch, accuracy, energy, variants, train)::
+suites[name] (name in seqlen, headdim, memory, launch, accuracy, energy, variants, train, decode)::
 
     platform   "gpu" | "cpu"
     status     "ok" | "partial" (some rows not ok) | "skipped" | "error"
@@ -43,8 +43,9 @@ suites[name] (name in seqlen, headdim, memory, launch, accuracy, energy, variant
                      "ratio_growth" {mode: float|null}, "ratio_of";  accuracy: "matmul" {dtype: note},
                      "atol" {dtype: float};  energy: "idle_w" float|null;  launch: "host_timing" str;
                      train: "model" {vocab, seqlen, layers, width, nheads}, "flops_per_step";
-                     "error" suites: "traceback". A suite that cannot run on this platform (train on the
-                     CPU, or without torch with CUDA) is "skipped" with no rows and says why in reason.
+                     "error" suites: "traceback". A suite that cannot run on this platform (train and
+                     decode on the CPU, train without torch with CUDA) is "skipped" with no rows and says
+                     why in reason.
 
 Every row has these keys (values null where they do not apply)::
 
@@ -53,11 +54,12 @@ Every row has these keys (values null where they do not apply)::
     causal           bool
     implementation   "cuflash", "conventional", "torch-flash", "torch-efficient", "torch-cudnn",
                      "torch-math", "cuflash-cupy", "cuflash-torch", "cuflash-graph" (launch),
-                     "cuflash-numpy", "materialized-numpy" (cpu)
+                     "copy" (decode), "cuflash-numpy", "materialized-numpy" (cpu)
     family           the kernel family that ran (written on every row; absent from files before it):
                      "mma" (cuflash fp16/bf16, tensor-core mma.sync), "simt" (cuflash fp32/fp64),
-                     "numpy" (the NumPy backend), "conventional" (materialized baselines), or the
-                     torch SDPA backend: "torch-flash", "torch-efficient", "cudnn", "torch-math"
+                     "numpy" (the NumPy backend), "conventional" (materialized baselines), "memcpy" (the
+                     decode suite's copy), or the torch SDPA backend: "torch-flash", "torch-efficient",
+                     "cudnn", "torch-math"
     mode             "fwd" | "bwd" | "fwd_bwd"
     status           "ok" | "unavailable" | "OOM" | "skipped" | "error"
     reason           str | null   why not ok
@@ -104,6 +106,16 @@ Row keys by suite (on status "ok" rows):
                      attention_kernels and other_kernels ([{"name", "ms_per_step"}], the top few by time:
                      how train.is_attention_kernel classified them), profile_seconds. The cuflash row has
                      speedup_vs_<impl> = step ms of impl / step ms of cuflash; the others cuflash_speedup.
+    decode           one row per (cell, implementation): "cuflash" (flash_attn_with_kvcache, no append),
+                     "torch-flash", "torch-cudnn" (SDPA on the same values, dense bhsd), "copy" (a
+                     device-to-device cudaMemcpyAsync of the K + V bytes); mode "fwd", shape (B, H, 1, len, d),
+                     causal false. Every row: nheads_k, page_size (null: dense), cache ("dense" | "paged <n>"),
+                     kv_bytes (2 B len H_kv d itemsize). ok rows: ms_*, n_runs, n_input_sets, layout,
+                     bytes_per_call (kv_bytes; the copy's 2 x kv_bytes, read and written), tb_per_s =
+                     bytes_per_call / ms_median, copy_fraction = tb_per_s / the cell's copy tb_per_s; torch rows
+                     gqa ("enable_gqa", "expanded K/V heads ..." with why, or "none (H_kv = H)").
+                     params: dtype, causal, seqlen_q, modes, cells [{batch, nheads, nheads_k, seqlen_k, head_dim,
+                     page_size}], implementations, method.
 
 A "ok" row of a timing suite (seqlen, headdim, launch) must have numbers with
 ms_min <= ms_median <= ms_max and n_runs >= 10. `validate(doc)` checks all of this.
@@ -136,7 +148,7 @@ SHAPE_KEYS = ("batch", "nheads", "seqlen_q", "seqlen_k", "head_dim")
 ROW_STATUS = ("ok", "unavailable", "OOM", "skipped", "error")
 SUITE_STATUS = ("ok", "partial", "skipped", "error")
 MODES = ("fwd", "bwd", "fwd_bwd")
-TIMING_SUITES = ("seqlen", "headdim", "launch", "variants", "train")
+TIMING_SUITES = ("seqlen", "headdim", "launch", "variants", "decode", "train")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -147,7 +159,7 @@ TIMING_SUITES = ("seqlen", "headdim", "launch", "variants", "train")
 # Kernel family of every implementation but cuflash's GPU ones, whose family depends on the dtype.
 FAMILY = {"cuflash-numpy": "numpy", "conventional": "conventional", "materialized-numpy": "conventional",
           "torch-flash": "torch-flash", "torch-efficient": "torch-efficient", "torch-cudnn": "cudnn",
-          "torch-math": "torch-math"}
+          "torch-math": "torch-math", "copy": "memcpy"}
 
 
 def family(implementation: str, dtype: str) -> str:
@@ -361,6 +373,10 @@ def _validate_row(suite: str, where: str, row) -> list[str]:
         for k in ("joules_per_call", "joules_per_call_above_idle", "avg_power_above_idle_w", "calls"):
             if not _num(row.get(k)):
                 errs.append(f"{where}.{k} must be a number")
+    if ok and suite == "decode":
+        for k in ("tb_per_s", "kv_bytes", "bytes_per_call"):
+            if not (_num(row.get(k)) and row[k] > 0):
+                errs.append(f"{where}.{k} must be a positive number")
     if ok and suite == "train":
         if not _num(row.get("tokens_per_s")):
             errs.append(f"{where}.tokens_per_s must be a number")
@@ -710,6 +726,52 @@ def _variants_tables(rows: list[dict], title: str, caption: str) -> list[Table]:
     return [t]
 
 
+def _decode_tables(rows: list[dict], title: str, method: str) -> list[Table]:
+    """Per cell: the copy's TB/s, then each implementation's ms and KV TB/s (and its fraction of the copy's)."""
+    from .decode import COPY
+
+    impls = [i for i in _impls(rows) if i != COPY]
+    header = ["B x H x H_kv x len x d", "cache", "K + V", "copy TB/s"]
+    for i in impls:
+        header += [f"{_head(rows, i)} ms", f"{i} TB/s (of copy)"]
+    t = Table(f"{title}: one query row over a KV cache", header, caption=method, text_cols=2)
+    cells: dict[tuple, dict[str, dict]] = defaultdict(dict)  # in run order
+    for r in rows:
+        s = r["shape"]
+        cells[(s["batch"], s["nheads"], r.get("nheads_k"), s["seqlen_k"], s["head_dim"], r.get("cache"))][
+            r["implementation"]] = r
+    for k, c in cells.items():
+        cp = c.get(COPY)
+        line = ["x".join(map(str, k[:5])), str(k[5]), _bytes(next(iter(c.values())).get("kv_bytes")),
+                _fmt(cp["tb_per_s"], ".2f") if _ok(cp) else _status(cp)]
+        for i in impls:
+            r = c.get(i)
+            if _ok(r):
+                f = r.get("copy_fraction")
+                line += [_fmt(r["ms_median"], ".3f"), _fmt(r["tb_per_s"], ".2f") + (f" ({f:.0%})" if f else "")]
+            else:
+                line += [_status(r), ""]
+        t.rows.append(line)
+    return [t]
+
+
+def _decode_lines(suite: dict) -> list[str]:
+    """Each implementation's TB/s range (and fraction of the copy's), and how torch took GQA."""
+    rows = [r for r in suite.get("rows", []) if _ok(r) and r.get("tb_per_s")]
+    out = []
+    for i in _impls(rows):
+        mine = [r for r in rows if r["implementation"] == i]
+        tb = [r["tb_per_s"] for r in mine]
+        line = f"decode: {i} {min(tb):.2f}-{max(tb):.2f} TB/s"
+        fr = [r["copy_fraction"] for r in mine if r.get("copy_fraction") and i != "copy"]
+        out.append(line + (f", {min(fr):.0%}-{max(fr):.0%} of the copy's" if fr else "")
+                   + (" (read + written)" if i == "copy" else " (K and V read)"))
+        gqa = list(dict.fromkeys(r["gqa"] for r in mine if r.get("gqa") and not r["gqa"].startswith("none")))
+        if gqa:
+            out.append(f"decode: {i} GQA through " + "; ".join(gqa))
+    return out
+
+
 TRAIN_REFS = ("torch-cudnn", "torch-flash")  # the train table's ratio columns: their step time over each row's
 
 
@@ -794,6 +856,8 @@ def tables(name: str, suite: dict) -> list[Table]:
         out = _variants_tables(rows, title, caption)
     elif name == "train":
         out = _train_tables(rows, title, suite.get("params") or {})
+    elif name == "decode":
+        out = _decode_tables(rows, title, (suite.get("params") or {}).get("method", ""))
     else:
         out = _energy_tables(rows, title, caption)
     return out + _not_run_table(name, rows)
@@ -827,6 +891,8 @@ def summary_lines(name: str, suite: dict) -> list[str]:
         out.append(f"energy: idle power {suite['idle_w']:.0f} W subtracted")
     if name == "train":
         out += _train_lines(suite)
+    if name == "decode":
+        out += _decode_lines(suite)
     return out
 
 

@@ -1,4 +1,4 @@
-"""What each suite runs, on a GPU and (memory, accuracy) on the CPU (train: GPU only, skipped on the CPU).
+"""What each suite runs, on a GPU and (memory, accuracy) on the CPU (train, decode: GPU only, skipped on the CPU).
 
 `suite_params` and `suite_cases` are pure: the sweep of each suite for the given options, GPU or
 CPU. `Runner` runs suites and returns their JSON objects (see report.py for the schema). Every cell
@@ -16,7 +16,7 @@ import time
 import traceback
 from typing import Callable
 
-from . import SUITES
+from . import SUITES, decode
 from .baselines import (
     ACCURACY_ATOL,
     GPU_IMPLS,
@@ -46,8 +46,9 @@ from .train import TRAIN_IMPLS
 
 ACCURACY_DTYPES = ("float32", "float16", "bfloat16")
 CPU_SUITES = ("memory", "accuracy")
-GPU_ONLY = ("train",)  # no CPU stand-in: on the CPU a suite object says it was skipped, and why
 TRAIN_ON_CPU = "it times a torch training step on a CUDA GPU (torch with CUDA); this run is on the CPU"
+# no CPU stand-in: on the CPU a suite object says it was skipped, and why
+GPU_ONLY = {"train": TRAIN_ON_CPU, "decode": decode.ON_CPU}
 # launch: (batch, nheads, seqlen, head_dim) when no --seqlens / --batch / --heads is given
 LAUNCH_SHAPES = ((1, 8, 128, 64), (2, 8, 4096, 128), (4, 16, 8192, 128))
 OUTPUTS = {"o": "fwd", "dq": "bwd", "dk": "bwd", "dv": "bwd"}  # accuracy: each output and the call giving it
@@ -144,6 +145,8 @@ def suite_params(name: str, s: Settings, platform: str) -> dict:
                 "variants": list(VARIANTS)}
     if name == "train":
         return train_params(s)
+    if name == "decode":
+        return decode.params(s)
     raise ValueError(f"unknown suite {name!r}")
 
 
@@ -202,6 +205,8 @@ def suite_cases(name: str, p: dict) -> list[Case]:
     if name == "launch":
         return [Case(x["batch"], x["nheads"], x["seqlen"], x["seqlen"], x["head_dim"], p["dtype"], p["causal"])
                 for x in p["shapes"]]
+    if name == "decode":
+        return [c.case for c in decode.cells(p)]
     if name in ("energy", "variants", "train"):
         return [Case(p["batch"], p["nheads"], p["seqlen"], p["seqlen"], p["head_dim"], p["dtype"], p["causal"])]
     if name == "accuracy":
@@ -223,6 +228,8 @@ def cell_count(name: str, p: dict, n_impls: int) -> int:
         return len(p["variants"])
     if name == "train":  # timing, then profiling, each implementation
         return 2 * len(p["implementations"])
+    if name == "decode":
+        return cases * len(p["implementations"])
     return cases * n_impls
 
 
@@ -235,6 +242,9 @@ def kernel_configs(s: Settings, names: list[str]) -> list:
         if "cuflash" not in s.backends and name not in ("accuracy", "launch"):
             continue
         p = suite_params(name, s, "gpu")
+        if name == "decode":
+            out.extend(config.choose_forward(c.dtype, c.head_dim, decode.variant_bits(c)) for c in decode.cells(p))
+            continue
         for c in suite_cases(name, p):
             for bits in ([variant_bits(v, c) for v in p["variants"]] if name == "variants"
                          else [config.variant_bits(local=c.causal)]):
@@ -315,8 +325,8 @@ class Runner:
             self._precompile(names)
         suites = {}
         if platform == "cpu":  # first, so that its line is printed before the CPU suites' tables
-            for name in (n for n in GPU_ONLY if n in self.s.suites):
-                suites[name] = {"platform": "cpu", "status": "skipped", "reason": TRAIN_ON_CPU, "seconds": 0.0,
+            for name in (n for n in SUITES if n in GPU_ONLY and n in self.s.suites):
+                suites[name] = {"platform": "cpu", "status": "skipped", "reason": GPU_ONLY[name], "seconds": 0.0,
                                 "params": suite_params(name, self.s, "gpu"), "rows": []}
         for name in names:
             fn = self._speed if name in ("seqlen", "headdim") else getattr(self, "_" + name)
@@ -585,6 +595,34 @@ class Runner:
             if r["status"] == "ok" and plain:
                 r["time_vs_plain"] = r["ms_median"] / plain["ms_median"]
                 r["tiles_vs_plain"] = r["tiles"] / plain["tiles"]
+        return {}
+
+    def _decode(self, p: dict, budget: Budget, rows: list) -> dict:
+        """One query row over a long KV cache: device time and KV read bandwidth of flash_attn_with_kvcache
+        (dense and paged caches), of torch SDPA's flash and cuDNN backends on the same values, and of a
+        device-to-device copy of as many bytes (the bandwidth reference), cell by cell."""
+        from .timing import clock, time_device
+
+        impls = decode.implementations(p["implementations"])
+        data = shape = None
+        for cell in decode.cells(p):
+            if cell.dense != shape:  # the paged cells share their dense cell's values
+                data = None
+                self._free()
+                shape = cell.dense
+                data = functools.cache(lambda c=shape: decode.Data(c, self.s.seed))  # made at first use
+            for impl in impls:
+                self.step(f"{cell.label} {impl.name}")
+
+                def measure():
+                    fns, extra = impl.calls(cell, data())
+                    st = time_device(fns, clock(impl.clock), **self._timer())
+                    return {**st, **extra, **decode.bandwidth(cell, impl.name, st["ms_median"]), "n_input_sets": 1}
+
+                self._cell(rows, budget, cell.case, impl, "fwd", measure)
+                rows[-1].update(cell.extra())
+        data = None
+        decode.add_copy_fractions(rows)
         return {}
 
     def _train(self, p: dict, budget: Budget, rows: list) -> dict:
