@@ -79,6 +79,8 @@ __device__ __forceinline__ void cp_async_tile(T* smem, const T* gbase, long long
 // cp_async_tile for key rows [key0, key0 + kRows) of one entry through KeyRows (seqinfo.cuh): a dense
 // entry is one slab (cp_async_tile itself); a paged one looks each row's page up, and a row without a
 // page (outside the pool) is zero-filled like a row past rows_valid. rows.base is the zero-fill operand.
+// The paged loop repeats cp_async_tile's on purpose: one loop for both (a row-source functor) changed
+// the register allocation of the dense kernels, whose code stays as measured.
 template <int kRows, int kCols, int kPitch, int kNThreads, typename T, class Rows>
 __device__ __forceinline__ void cp_async_keys(T* smem, const Rows& rows, int key0, int rows_valid, int cols_valid,
                                               int tid) {

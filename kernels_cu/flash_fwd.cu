@@ -70,14 +70,11 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const __grid_constant_
 
     const T* q = static_cast<const T*>(p.q) + seq.q_offset(batch, p.q_batch_stride, p.q_row_stride) +
                  head * p.q_head_stride + row_begin * p.q_row_stride;
-    // K, V rows: the entry's slab, or (kPaged) pages of the pools, whose batch stride is the page stride
     constexpr bool kIsPaged = (kVariant & kPaged) != 0;
-    const KeyRows<kIsPaged, T> k_rows(
-        p, static_cast<const T*>(p.k) + (kIsPaged ? 0 : seq.k_offset(batch, p.k_batch_stride, p.k_row_stride)) +
-               head_k * p.k_head_stride, p.k_batch_stride, p.k_row_stride, batch);
-    const KeyRows<kIsPaged, T> v_rows(
-        p, static_cast<const T*>(p.v) + (kIsPaged ? 0 : seq.k_offset(batch, p.v_batch_stride, p.v_row_stride)) +
-               head_k * p.v_head_stride, p.v_batch_stride, p.v_row_stride, batch);
+    const auto k_rows = key_rows<kIsPaged, T>(p, seq, p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride,
+                                              batch, head_k);
+    const auto v_rows = key_rows<kIsPaged, T>(p, seq, p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride,
+                                              batch, head_k);
 
     // [2] Load the Q tile
     cp_async_tile<kBlockM, kHeadDim, kPitch, kNThreads>(sQ, q, p.q_row_stride, seqlen_q - row_begin, head_dim, tid);

@@ -120,14 +120,11 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_simt(const __grid_c
     mask.template n_block_range<kBlockM, kBlockN>(m_block, n_block_min, n_block_end);
     const T* q = static_cast<const T*>(p.q) + seq.q_offset(batch, p.q_batch_stride, p.q_row_stride) +
                  head * p.q_head_stride;
-    // K, V rows: the entry's slab, or (kPaged) pages of the pools, whose batch stride is the page stride
     constexpr bool kIsPaged = (kVariant & kPaged) != 0;
-    const KeyRows<kIsPaged, T> k_rows(
-        p, static_cast<const T*>(p.k) + (kIsPaged ? 0 : seq.k_offset(batch, p.k_batch_stride, p.k_row_stride)) +
-               kv_head * p.k_head_stride, p.k_batch_stride, p.k_row_stride, batch);
-    const KeyRows<kIsPaged, T> v_rows(
-        p, static_cast<const T*>(p.v) + (kIsPaged ? 0 : seq.k_offset(batch, p.v_batch_stride, p.v_row_stride)) +
-               kv_head * p.v_head_stride, p.v_batch_stride, p.v_row_stride, batch);
+    const auto k_rows = key_rows<kIsPaged, T>(p, seq, p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride,
+                                              batch, kv_head);
+    const auto v_rows = key_rows<kIsPaged, T>(p, seq, p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride,
+                                              batch, kv_head);
 
     // [2] Load the Q tile
     // Copies run asynchronously, one commit group per tile: Q, then K and V of key block 0. The

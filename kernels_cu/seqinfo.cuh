@@ -86,4 +86,15 @@ struct KeyRows {
     }
 };
 
+// The K or V rows of one (entry, kv head) from the tensor's fields of p: the entry's slab, or (kIsPaged)
+// pages of the pool, whose batch stride is the page stride.
+template <bool kIsPaged, typename T, class Seq>
+__device__ __forceinline__ KeyRows<kIsPaged, T> key_rows(const FwdParams& p, const Seq& seq, const void* tensor,
+                                                         const long long& batch_stride, const long long& row_stride,
+                                                         long long head_stride, int batch, int head_k) {
+    const T* base = static_cast<const T*>(tensor) + (kIsPaged ? 0 : seq.k_offset(batch, batch_stride, row_stride)) +
+                    head_k * head_stride;
+    return KeyRows<kIsPaged, T>(p, base, batch_stride, row_stride, batch);
+}
+
 }  // namespace cuflash
