@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -77,6 +80,25 @@ LSE_TOL = {"float16": 1e-4, "bfloat16": 1e-4, "float32": 1e-6, "float64": 1e-12}
 # 4.34 with 74 keys, error 1.03e-6).
 FP32_FORWARD_ATOL = {"cuda": 1e-6, "numba": 2e-6}
 
+
+
+def simulator_results(script: str, out_dir, timeout: int) -> dict:
+    """Run `script --sim-worker OUT.npz` in a fresh interpreter with NUMBA_ENABLE_CUDASIM=1 (the
+    simulator must be chosen before numba is imported, so not in this process) and return the arrays
+    it saved. Skips where numba-cuda is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("numba_cuda") is None:
+        pytest.skip("numba-cuda is not installed (pip install cuflash[numba])")
+    root = Path(__file__).resolve().parents[1]
+    out = Path(out_dir) / "results.npz"
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    r = subprocess.run([sys.executable, script, "--sim-worker", str(out)], env=env, cwd=root,
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"simulator worker failed:\n{r.stdout}\n{r.stderr}"
+    with np.load(out) as z:
+        return {key: z[key] for key in z.files}
 
 class GpuKit:
     """Helpers shared by the GPU tests. Every array here is a CuPy array."""

@@ -37,6 +37,35 @@ def invoke(args, **kw):
     return CliRunner().invoke(group(), ["bench", *args], catch_exceptions=False, **kw)
 
 
+def document_and_text(settings, suites):
+    """A GPU run's document for `suites` (what a Runner returned): checked against the schema and as
+    strict JSON, and rendered as the console shows it. Returns (document, text)."""
+    from rich.console import Console
+
+    doc = report.document(report.make_meta(settings.options(), "gpu", None), suites)
+    assert report.validate(doc) == []
+    json.dumps(doc, allow_nan=False)
+    console = Console(record=True, width=250)
+    report.render(console, doc["suites"])
+    return doc, console.export_text()
+
+
+def run_without_a_gpu(monkeypatch, suite: str, json_path):
+    """`cuflash bench --suite <suite> --quick` with the GPU hidden, and what every GPU-only suite's skip
+    shares: one line for it, a valid JSON document, the line in the Markdown too (RESULTS files say
+    it). Returns (output lines, document)."""
+    monkeypatch.setattr(command, "detect_gpu", lambda: (False, "test: GPU hidden"))
+    r = invoke(["--suite", suite, "--quick", *FAST, "--json", str(json_path)])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert lines[0].startswith("no CUDA GPU visible (test: GPU hidden)")
+    assert sum(x.startswith(suite) for x in lines) == 1
+    doc = json.loads(json_path.read_text())
+    assert report.validate(doc) == []
+    assert lines[1] in report.markdown(doc["suites"]).splitlines()
+    return lines, doc
+
+
 # ------------------------------------------------------------------------------------------------
 # Options
 
@@ -579,3 +608,22 @@ def test_every_gpu_suite_with_fakes(monkeypatch):
     assert "energy: idle power 100 W subtracted" in text
     md = report.markdown(doc["suites"])
     assert "| B x H x N x d | mode | cuflash-cupy (mma) | cuflash-torch (mma) | torch-flash |" in md
+
+
+def test_refusals_as_unavailable():
+    """A baseline that raises becomes Unavailable with its error and warnings; out of memory does not."""
+    import warnings
+
+    from cuflash.benchmark.baselines import Unavailable, refusals_as_unavailable
+
+    with pytest.raises(Unavailable, match=r"ValueError: no kernel; backend declined: head dim"):
+        with refusals_as_unavailable():
+            warnings.warn("backend declined: head dim\nmore detail")
+            raise ValueError("no kernel")
+
+    class OutOfMemoryError(RuntimeError):
+        pass
+
+    with pytest.raises(OutOfMemoryError):
+        with refusals_as_unavailable():
+            raise OutOfMemoryError("CUDA out of memory")

@@ -5,15 +5,13 @@ and clocks, the report table, and the skip line without a GPU. CPU only and fast
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
 from cuflash.benchmark import SUITES, decode, report, timing
 from cuflash.benchmark.suites import (Runner, Settings, cell_count, kernel_configs, suite_cases, suite_params,
                                       total_steps)
-from test_bench_cli import FakeClock, invoke
+from test_bench_cli import FakeClock, document_and_text, invoke, run_without_a_gpu
 
 GiB = 2**30
 
@@ -157,8 +155,6 @@ def fakes(monkeypatch):
 
 
 def test_decode_suite_with_fakes(fakes):
-    from rich.console import Console
-
     steps = []
     s = Settings(suites=("decode",), repeats=10, warmup=1, cell_seconds=0.05)
     out = Runner(s, advance=lambda suite, text: steps.append(suite)).run("gpu")
@@ -181,12 +177,7 @@ def test_decode_suite_with_fakes(fakes):
         assert r["tb_per_s"] == pytest.approx(r["bytes_per_call"] / (r["ms_median"] * 1e-3) / 1e12)
     assert rows[3]["copy_fraction"] == 1.0 and rows[3]["bytes_per_call"] == 2 * rows[3]["kv_bytes"]
     assert [r["cache"] for r in rows[::4]] == ["dense", "paged 16", "paged 64", "paged 256"] + ["dense"] * 3
-    doc = report.document(report.make_meta(s.options(), "gpu", None), out)
-    assert report.validate(doc) == []
-    json.dumps(doc, allow_nan=False)
-    console = Console(record=True, width=250)
-    report.render(console, doc["suites"])
-    text = console.export_text()
+    doc, text = document_and_text(s, out)
     assert "decode (gpu, partial" in text and "one query row over a KV cache" in text
     assert "cuflash (mma) ms" in text and "8x32x8x32768x128" in text and "paged 256" in text
     assert "decode: not run" in text and "torch-cudnn: unavailable: torch not importable (test)" in text
@@ -224,21 +215,9 @@ def test_decode_table_from_rows():
 
 
 def test_cli_skips_decode_without_a_gpu(monkeypatch, tmp_path):
-    from cuflash.benchmark import command
-
-    monkeypatch.setattr(command, "detect_gpu", lambda: (False, "test: GPU hidden"))
-    js = tmp_path / "d.json"
-    r = invoke(["--suite", "decode", "--quick", "--seqlens", "32,64", "--heads", "1", "--head-dim", "32",
-                "--json", str(js)])
-    assert r.exit_code == 0, r.output
-    lines = r.output.splitlines()
-    assert lines[0].startswith("no CUDA GPU visible (test: GPU hidden)")
+    lines, doc = run_without_a_gpu(monkeypatch, "decode", tmp_path / "d.json")
     assert lines[1] == ("decode (cpu, skipped): it times flash_attn_with_kvcache over KV caches of 0.5-1 GiB on a "
                         "CUDA GPU; this run is on the CPU")
-    assert sum(x.startswith("decode") for x in lines) == 1
-    doc = json.loads(js.read_text())
-    assert report.validate(doc) == []
     d = doc["suites"]["decode"]
     assert (d["status"], d["rows"], len(d["params"]["cells"])) == ("skipped", [], 2)
-    assert lines[1] in report.markdown(doc["suites"]).splitlines()
     assert invoke(["--help"]).output.count("decode") >= 2  # --suite lists it; --batch says its shapes are fixed

@@ -8,28 +8,15 @@ CPU only: torch (CPU build) is needed for the model tests, which skip without it
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 
-import click
 import pytest
-from click.testing import CliRunner
 
-from cuflash.benchmark import command, report, train
-from cuflash.benchmark.command import bench
+from cuflash.benchmark import report, train
 from cuflash.benchmark.suites import (SKIPPED, Runner, Settings, cell_count, kernel_configs, suite_cases,
                                       suite_params, total_steps)
 from cuflash.benchmark.timing import MIN_RUNS
-from test_bench_cli import FakeClock
-
-
-def invoke(args):
-    @click.group()
-    def main():
-        pass
-
-    main.add_command(bench)
-    return CliRunner().invoke(main, ["bench", *args], catch_exceptions=False)
+from test_bench_cli import FakeClock, document_and_text, run_without_a_gpu
 
 
 # ------------------------------------------------------------------------------------------------
@@ -304,8 +291,6 @@ def small(**kw):
 
 
 def test_train_suite_on_the_cpu(on_cpu):
-    from rich.console import Console
-
     steps = []
     s = small()
     runner = Runner(s, advance=lambda suite, text: steps.append((suite, text)))
@@ -330,12 +315,7 @@ def test_train_suite_on_the_cpu(on_cpu):
     assert len({r["loss"] for r in rows}) == 1 and len({r["loss_first_step"] for r in rows}) == 1
     assert rows[0]["loss"] < rows[0]["loss_first_step"]
     assert set(rows[0]) >= {"speedup_vs_torch-flash", "speedup_vs_torch-cudnn"} and "cuflash_speedup" in rows[1]
-    doc = report.document(report.make_meta(s.options(), "gpu", None), out)
-    assert report.validate(doc) == []
-    json.dumps(doc, allow_nan=False)
-    console = Console(record=True, width=250)
-    report.render(console, doc["suites"])
-    text = console.export_text()
+    doc, text = document_and_text(s, out)
     assert "train (gpu, ok" in text and "GPT training step" in text and "cuflash (mma)" in text
     assert "torch-cudnn (cudnn)" in text and "25.0%" in text and "kernels counted as attention" in text
     assert "train: cuflash step" in text
@@ -376,22 +356,12 @@ def test_train_suite_without_torch_cuda(monkeypatch):
 
 
 def test_cli_skips_train_without_a_gpu(monkeypatch, tmp_path):
-    monkeypatch.setattr(command, "detect_gpu", lambda: (False, "test: GPU hidden"))
-    js = tmp_path / "t.json"
-    r = invoke(["--suite", "train", "--quick", "--seqlens", "32,64", "--heads", "1", "--head-dim", "32",
-                "--json", str(js)])
-    assert r.exit_code == 0, r.output
-    lines = r.output.splitlines()
-    assert lines[0].startswith("no CUDA GPU visible (test: GPU hidden)")
+    lines, doc = run_without_a_gpu(monkeypatch, "train", tmp_path / "t.json")
     assert lines[1] == ("train (cpu, skipped): it times a torch training step on a CUDA GPU (torch with CUDA); "
                         "this run is on the CPU")
-    assert sum(x.startswith("train") for x in lines) == 1
-    doc = json.loads(js.read_text())
-    assert report.validate(doc) == []
     t = doc["suites"]["train"]
     assert (t["status"], t["rows"], t["params"]["seqlen"]) == ("skipped", [], 64)
     assert set(doc["suites"]) == {"train", "memory", "accuracy"}
-    assert lines[1] in report.markdown(doc["suites"]).splitlines()  # RESULTS files say it too
 
 
 # ------------------------------------------------------------------------------------------------

@@ -10,16 +10,12 @@ and kv_reference (NumPy or CuPy arrays alike).
 from __future__ import annotations
 
 import math
-import os
-import subprocess
 import sys
 import traceback
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import simulator_results
 
 
 def _xp(x):
@@ -381,18 +377,7 @@ def _sim_worker(out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def sim(tmp_path_factory):
-    import importlib.util
-
-    if importlib.util.find_spec("numba_cuda") is None:
-        pytest.skip("numba-cuda is not installed (pip install cuflash[numba])")
-    out = tmp_path_factory.mktemp("kvcache_sim") / "results.npz"
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    r = subprocess.run([sys.executable, __file__, "--sim-worker", str(out)], env=env, cwd=ROOT,
-                       capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, f"simulator worker failed:\n{r.stdout}\n{r.stderr}"
-    with np.load(out) as z:
-        return {key: z[key] for key in z.files}
+    return simulator_results(__file__, tmp_path_factory.mktemp("kvcache_sim"), timeout=900)
 
 
 def _ok(sim, name):

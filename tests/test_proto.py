@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import simulator_results
 
-ROOT = Path(__file__).resolve().parents[1]
 
 # name -> (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, dtype,
 #          (cfg head_dim, block_m, block_n, warps), backward?, layout)
@@ -280,18 +278,7 @@ def _sim_worker(out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def sim(tmp_path_factory):
-    import importlib.util
-
-    if importlib.util.find_spec("numba_cuda") is None:
-        pytest.skip("numba-cuda is not installed (pip install cuflash[numba])")
-    out = tmp_path_factory.mktemp("proto_sim") / "results.npz"
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    r = subprocess.run([sys.executable, __file__, "--sim-worker", str(out)], env=env, cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, f"simulator worker failed:\n{r.stdout}\n{r.stderr}"
-    with np.load(out) as z:
-        return {key: z[key] for key in z.files}
+    return simulator_results(__file__, tmp_path_factory.mktemp("proto_sim"), timeout=600)
 
 
 def _case(sim, name):

@@ -94,6 +94,22 @@ def is_oom(e: BaseException) -> bool:
     return "OutOfMemory" in name or "out of memory" in str(e).lower()
 
 
+@contextlib.contextmanager
+def refusals_as_unavailable():
+    """A call inside that raises (a backend that cannot run the case) raises Unavailable instead, with
+    the error and the first warnings it gave (torch says there why an SDPA backend declined). Out of
+    memory passes through."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        except Exception as e:
+            if is_oom(e):
+                raise
+            why = [str(w.message).splitlines()[0] for w in caught][:3]
+            raise Unavailable("; ".join([short_reason(e, 200), *why])[:500]) from e
+
+
 # ------------------------------------------------------------------------------------------------
 # Arrays (NumPy or CuPy: the namespace is the input's)
 # ------------------------------------------------------------------------------------------------
@@ -600,16 +616,9 @@ class TorchSDPA(Impl):
         return s
 
     def calls(self, case, sets, mode):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                out = [self._call(case, self.prepare(s), mode) for s in sets]
-                out[0]()  # a backend that cannot run this case raises here
-            except Exception as e:
-                if is_oom(e):
-                    raise
-                why = [str(w.message).splitlines()[0] for w in caught][:3]
-                raise Unavailable("; ".join([short_reason(e, 200), *why])[:500]) from e
+        with refusals_as_unavailable():
+            out = [self._call(case, self.prepare(s), mode) for s in sets]
+            out[0]()  # a backend that cannot run this case raises here
         return out
 
     def _call(self, case, s, mode):

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 
 from ..config import numpy_dtype
-from .baselines import Case, Impl, TorchSDPA, Unavailable, is_oom, short_reason
+from .baselines import Case, Impl, TorchSDPA, Unavailable, refusals_as_unavailable
 
 # (batch, nheads, nheads_k, cache length, head_dim); the paged caches use the first shape
 SHAPES = ((8, 32, 8, 32768, 128), (1, 32, 8, 131072, 128), (64, 32, 8, 4096, 128), (8, 16, 16, 16384, 64))
@@ -260,15 +259,8 @@ class TorchDecode(TorchSDPA):
     @staticmethod
     def _checked(fn):
         """fn, after one call: a backend that cannot run the case raises Unavailable with torch's reasons."""
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                fn()
-            except Exception as e:
-                if is_oom(e):
-                    raise
-                why = [str(w.message).splitlines()[0] for w in caught][:3]
-                raise Unavailable("; ".join([short_reason(e, 200), *why])[:500]) from e
+        with refusals_as_unavailable():
+            fn()
         return fn
 
 
