@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _mask, _philox
-from .config import variant_bits
+from .config import SEMAPHORE_ROWS, backward_workspace, ceil_div, compiled_head_dim, variant_bits
 
 _i64, _f64, _i32, _f32, _ptr = np.int64, np.float64, np.int32, np.float32, np.uint64
 
@@ -42,6 +42,9 @@ BWD_PARAMS = np.dtype(
         ("dout", _ptr), ("dq", _ptr), ("dk", _ptr), ("dv", _ptr), ("dsum", _ptr),
         *_strides("do"), *_strides("dq"), *_strides("dk"), *_strides("dv"),
         *_strides("dsum", ("batch", "head")),
+        ("dq_accum_offset", _i64), ("dq_semaphore_offset", _i64),
+        *_strides("dq_accum", ("batch", "head", "row")),
+        *_strides("dq_semaphore", ("batch", "head")),
     ],
     align=True,
 )
@@ -77,14 +80,15 @@ def _set_bhs(p, name: str, a) -> None:
 
 
 def variant(causal: bool, varlen=None, window=_mask.NO_WINDOW, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-            kvcache=None, **_) -> int:
-    """The kVariant bits a call needs (config.LOCAL, SOFTCAP, ALIBI, DROPOUT, VARLEN, WINDOW, SEQUSED, PAGED):
-    LOCAL alone for causal, LOCAL | WINDOW for any other window; kvcache: (seqused_k, block_table or None)."""
+            kvcache=None, deterministic=False, **_) -> int:
+    """The kVariant bits a call needs (config.LOCAL, SOFTCAP, ALIBI, DROPOUT, VARLEN, WINDOW, SEQUSED, PAGED,
+    DETERMINISTIC): LOCAL alone for causal, LOCAL | WINDOW for any other window; kvcache: (seqused_k,
+    block_table or None); deterministic: the backward's dQ adds in key-block order."""
     left, right = _mask.effective_window(causal, window)
     return variant_bits(local=not _mask.is_plain(left, right), window=(left, right) not in ((-1, -1), (-1, 0)),
                         softcap=bool(softcap), alibi=alibi_slopes is not None, dropout=bool(dropout_p),
                         varlen=varlen is not None, seqused=kvcache is not None,
-                        paged=kvcache is not None and kvcache[1] is not None)
+                        paged=kvcache is not None and kvcache[1] is not None, deterministic=deterministic)
 
 
 def fwd_params(q, k, v, o, lse, softmax_scale: float, causal: bool, varlen=None, **variants):
@@ -138,16 +142,33 @@ def _fill_fwd(p, q, k, v, o, lse, softmax_scale: float, causal: bool, varlen=Non
             p["seqlen_k"] = block_table.shape[1] * k.shape[1]  # the capacity of an entry
 
 
-def bwd_params(do, q, k, v, o, lse, dq, dk, dv, dsum, softmax_scale: float, causal: bool, varlen=None, **variants):
-    """Pack a backward call; dsum (b, h, s) receives D = rowsum(dO * O). varlen and variants as for
-    fwd_params (do, dq, dk, dv packed like q, k, v; dsum like lse)."""
+def workspace_layout(q, varlen=None, deterministic=False):
+    """config.backward_workspace of a call on (batch, seqlen, heads, head_dim) q (varlen: packed as for
+    fwd_params)."""
+    slabs, rows, nheads, head_dim = q.shape
+    entries, max_q = (slabs, rows) if varlen is None else (varlen[0].shape[0] - 1, varlen[2])
+    return backward_workspace(q.dtype, head_dim, nheads, slabs, rows, entries, max_q, deterministic)
+
+
+def bwd_params(do, q, k, v, o, lse, dq, dk, dv, workspace, softmax_scale: float, causal: bool, varlen=None,
+               deterministic=False, **variants):
+    """Pack a backward call. workspace: a device array of workspace_layout(...).nbytes or more, laid out
+    as config.BackwardWorkspace says (dsum points at it). varlen and variants as for fwd_params (do, dq,
+    dk, dv packed like q, k, v)."""
     p = np.zeros((), dtype=BWD_PARAMS)
     _fill_fwd(p["fwd"], q, k, v, o, lse, softmax_scale, causal, varlen, **variants)
-    p["dout"], p["dq"], p["dk"], p["dv"], p["dsum"] = (_ptr_of(a) for a in (do, dq, dk, dv, dsum))
+    p["dout"], p["dq"], p["dk"], p["dv"], p["dsum"] = (_ptr_of(a) for a in (do, dq, dk, dv, workspace))
     for name, a in (("do", do), ("dq", dq), ("dk", dk), ("dv", dv)):
         _set_bshd(p, name, a)
-    _set_bhs(p, "dsum", dsum)
+    slabs, rows, nheads, head_dim = q.shape
+    p["dsum_batch_stride"], p["dsum_head_stride"] = nheads * rows, rows  # D: [slab, head, row]
+    layout = workspace_layout(q, varlen, deterministic)
+    p["dq_accum_offset"], p["dq_semaphore_offset"] = layout.dq_accum_offset, layout.dq_semaphore_offset
+    width = compiled_head_dim(head_dim)
+    p["dq_accum_batch_stride"], p["dq_accum_head_stride"], p["dq_accum_row_stride"] = nheads * rows * width, rows * width, width
+    blocks = ceil_div(int(p["fwd"]["seqlen_q"]), SEMAPHORE_ROWS)
+    p["dq_semaphore_batch_stride"], p["dq_semaphore_head_stride"] = nheads * blocks, blocks
     if varlen is not None:
-        for name in ("do", "dq", "dk", "dv", "dsum"):
+        for name in ("do", "dq", "dk", "dv", "dsum", "dq_accum"):
             p[f"{name}_batch_stride"] = 0
     return p

@@ -38,8 +38,8 @@ DEFAULT_SMEM_BYTES = 48 * 1024  # above this a launch must opt in (max_dynamic_s
 SOURCES = {
     "flash_fwd": "flash_fwd.cu",
     "flash_bwd_preprocess": "flash_bwd.cu",
-    "flash_bwd_dkdv": "flash_bwd.cu",
-    "flash_bwd_dq": "flash_bwd.cu",
+    "flash_bwd": "flash_bwd.cu",
+    "flash_bwd_postprocess": "flash_bwd.cu",
     "flash_fwd_simt": "flash_fwd_simt.cu",
     "flash_bwd_dkdv_simt": "flash_bwd_simt.cu",
     "flash_bwd_dq_simt": "flash_bwd_simt.cu",
@@ -50,7 +50,9 @@ SOURCES = {
 # is 0 (or False) in its configs, so that one config is one instantiation.
 _TEMPLATE_PARAMS = ("dtype", "head_dim", "block_m", "block_n", "warps", "variant")
 TEMPLATE_PARAMS = {k: _TEMPLATE_PARAMS for k in SOURCES} | {
-    "flash_bwd_preprocess": ("dtype", "block_m", "warps", "variant"),  # D = rowsum(dO * O): VARLEN alone
+    # D = rowsum(dO * O) and dQ = dQ_accum * softmax_scale: any head dim, VARLEN alone
+    "flash_bwd_preprocess": ("dtype", "block_m", "warps", "variant"),
+    "flash_bwd_postprocess": ("dtype", "block_m", "warps", "variant"),
 }
 
 
@@ -64,10 +66,12 @@ VARLEN = 16  # packed sequences: rows and lengths from cu_seqlens
 WINDOW = 32  # with LOCAL: a sliding window, both bounds read at run time (LOCAL alone is causal, compiled in)
 SEQUSED = 64  # KV cache: entry b has seqused_k[b] keys (clamped to the cache), not the array's extent
 PAGED = 128  # KV cache in pages: key row j of entry b through block_table (forward only)
+DETERMINISTIC = 256  # backward: the adds into each dQ tile in key-block order (semaphores), not as they come
 FORWARD_ONLY = SEQUSED | PAGED  # the KV-cache entry point has no backward: choose_backward drops them
+BACKWARD_ONLY = DETERMINISTIC  # choose_forward drops it
 VARIANT_NAMES = {LOCAL: "local", SOFTCAP: "softcap", ALIBI: "alibi", DROPOUT: "dropout", VARLEN: "varlen",
-                 WINDOW: "window", SEQUSED: "seqused", PAGED: "paged"}
-ALL_VARIANTS = LOCAL | SOFTCAP | ALIBI | DROPOUT | VARLEN | WINDOW
+                 WINDOW: "window", SEQUSED: "seqused", PAGED: "paged", DETERMINISTIC: "deterministic"}
+ALL_VARIANTS = LOCAL | SOFTCAP | ALIBI | DROPOUT | VARLEN | WINDOW | DETERMINISTIC
 
 
 def longest_first(variant: int) -> bool:
@@ -77,11 +81,11 @@ def longest_first(variant: int) -> bool:
 
 
 def variant_bits(*, local=False, softcap=False, alibi=False, dropout=False, varlen=False, window=False,
-                 seqused=False, paged=False) -> int:
+                 seqused=False, paged=False, deterministic=False) -> int:
     """kVariant of a call; window: its mask is a sliding window, not causal alone (implies local);
     paged implies seqused (a paged cache always has per-entry key counts)."""
     bits = ((LOCAL, local or window), (SOFTCAP, softcap), (ALIBI, alibi), (DROPOUT, dropout), (VARLEN, varlen),
-            (WINDOW, window), (SEQUSED, seqused or paged), (PAGED, paged))
+            (WINDOW, window), (SEQUSED, seqused or paged), (PAGED, paged), (DETERMINISTIC, deterministic))
     return sum(bit for bit, on in bits if on)
 
 
@@ -93,7 +97,7 @@ class KernelConfig:
     block_m: int  # query rows per tile
     block_n: int  # key rows per tile; 0 where the kernel takes none
     warps: int
-    variant: int  # kVariant: a sum of LOCAL, SOFTCAP, ALIBI, DROPOUT, VARLEN, WINDOW, SEQUSED, PAGED
+    variant: int  # kVariant: a sum of LOCAL, SOFTCAP, ALIBI, DROPOUT, VARLEN, WINDOW, SEQUSED, PAGED, DETERMINISTIC
 
     @property
     def source(self) -> str:
@@ -139,10 +143,8 @@ _TILES: dict[str, dict[int, tuple[int, int, int]]] = {
     # causal and not) among those that compile without spills for sm_80 and sm_90.
     "flash_fwd": {32: (128, 64, 8), 64: (128, 64, 4), 96: (128, 32, 4), 128: (128, 32, 4),
                   160: (64, 32, 4), 192: (128, 64, 8), 224: (128, 64, 8), 256: (128, 64, 8)},
-    "flash_bwd_dkdv": {32: (64, 64, 4), 64: (64, 64, 4), 96: (64, 64, 4), 128: (64, 64, 4),
-                       160: (64, 64, 8), 192: (64, 64, 8), 224: (64, 64, 8), 256: (64, 64, 8)},
-    "flash_bwd_dq": {32: (64, 64, 4), 64: (64, 64, 4), 96: (64, 64, 4), 128: (64, 64, 4),
-                     160: (64, 32, 4), 192: (64, 32, 4), 224: (64, 32, 4), 256: (64, 32, 4)},
+    "flash_bwd": {32: (64, 64, 4), 64: (64, 64, 4), 96: (64, 64, 4), 128: (64, 64, 4),
+                  160: (64, 64, 8), 192: (64, 64, 8), 224: (64, 64, 8), 256: (64, 64, 8)},
     # SIMT (float32 / float64): each row must fit both dtypes (double smem <= 163 KiB on sm_80, no spills)
     "flash_fwd_simt": {32: (64, 32, 4), 64: (64, 32, 4), 96: (32, 32, 4), 128: (32, 32, 4),
                        160: (32, 32, 4), 192: (32, 32, 8), 224: (32, 16, 8), 256: (32, 16, 8)},
@@ -158,12 +160,15 @@ _TILES: dict[str, dict[int, tuple[int, int, int]]] = {
 HEAVY = SOFTCAP | ALIBI | DROPOUT
 _TILES_HEAVY: dict[str, dict[int, tuple[int, int, int]]] = {
     "flash_fwd": {128: (128, 32, 8), 160: (128, 32, 8), 256: (128, 32, 8)},
-    "flash_bwd_dkdv": {96: (64, 64, 8), 128: (64, 64, 8)},
+    "flash_bwd": {96: (64, 64, 8), 128: (64, 64, 8)},
     "flash_bwd_dkdv_simt": {64: (32, 32, 4)},
 }
 
-# flash_bwd_preprocess: (block_m, warps), whatever the head dim (it takes none).
+# flash_bwd_preprocess and flash_bwd_postprocess: (block_m, warps), whatever the head dim (they take none).
 _PREPROCESS_TILE = (64, 4)
+# DETERMINISTIC: one dQ semaphore per SEMAPHORE_ROWS query rows, as many as preprocess blocks (preprocess
+# block i zeroes semaphore i); flash_bwd's block_m is a multiple of it and uses the first of them.
+SEMAPHORE_ROWS = _PREPROCESS_TILE[0]
 
 
 def smem_bytes(cfg: KernelConfig) -> int:
@@ -174,14 +179,12 @@ def smem_bytes(cfg: KernelConfig) -> int:
     row = d + pad
     if cfg.kernel == "flash_fwd":  # Q tile, K tile, V tile
         return (bm + 2 * bn) * row * e
-    if cfg.kernel == "flash_bwd_preprocess":
+    if cfg.kernel in ("flash_bwd_preprocess", "flash_bwd_postprocess"):
         return 0
-    if cfg.kernel == "flash_bwd_dkdv":  # K, V tiles; Q, dO tiles; P^T and dS^T tiles when warps share keys; LSE, D rows
+    if cfg.kernel == "flash_bwd":  # K, V tiles; Q, dO tiles; dS^T tile (and P^T when warps share keys); LSE, D rows
         warps_sharing_keys = cfg.warps // (bn // 16)  # kWM in flash_bwd.cu
-        p_tiles = 2 * bn * (bm + pad) * e if warps_sharing_keys > 1 else 0
+        p_tiles = (2 if warps_sharing_keys > 1 else 1) * bn * (bm + pad) * e
         return (2 * bn + 2 * bm) * row * e + p_tiles + 2 * bm * 4
-    if cfg.kernel == "flash_bwd_dq":  # Q, dO tiles; K, V tiles (dS stays in registers)
-        return (2 * bm + 2 * bn) * row * e
     if cfg.kernel == "flash_fwd_simt":  # Q, K, V tiles (rows padded by 16 bytes); P tile (rows padded by 8)
         srow = d + 16 // e
         return (bm * srow + 2 * bn * srow + bm * (bn + 8)) * e
@@ -212,9 +215,10 @@ def _make(kernel: str, dtype: str, head_dim: int, variant: int) -> KernelConfig:
     return KernelConfig(kernel, dtype, d, bm, bn, warps, int(variant))
 
 
-def _preprocess(dtype: str, variant: int) -> KernelConfig:
+def _per_row(kernel: str, dtype: str, variant: int) -> KernelConfig:
+    """flash_bwd_preprocess or flash_bwd_postprocess: one instantiation per dtype, dense or varlen."""
     bm, warps = _PREPROCESS_TILE
-    return KernelConfig("flash_bwd_preprocess", dtype, 0, bm, 0, warps, variant & VARLEN)
+    return KernelConfig(kernel, dtype, 0, bm, 0, warps, variant & VARLEN)
 
 
 def dtype_name(dtype) -> str:
@@ -249,24 +253,55 @@ def choose_forward(dtype, head_dim: int, variant: int) -> KernelConfig:
     """The forward config of a call; variant: variant_bits(...) (LOCAL alone for a causal call)."""
     dt = dtype_name(dtype)
     kernel = "flash_fwd" if dt in TENSOR_CORE_DTYPES else "flash_fwd_simt"
-    return _make(kernel, dt, head_dim, variant)
+    return _make(kernel, dt, head_dim, variant & ~BACKWARD_ONLY)
 
 
 def choose_backward(dtype, head_dim: int, variant: int) -> tuple[KernelConfig, KernelConfig, KernelConfig]:
-    """(preprocess, dK/dV, dQ) configs for one backward call."""
+    """The three launches of one backward call, in order.
+
+    fp16 / bf16: (flash_bwd_preprocess, flash_bwd, flash_bwd_postprocess): D and a zeroed fp32 dQ
+    accumulator; one pass over key blocks (dK, dV, and dQ added into the accumulator); dQ converted.
+    fp32 / fp64: (flash_bwd_preprocess, flash_bwd_dkdv_simt, flash_bwd_dq_simt): dQ in a kernel of its own,
+    deterministic without DETERMINISTIC (which they drop)."""
     dt = dtype_name(dtype)
     variant &= ~FORWARD_ONLY
-    suffix = "" if dt in TENSOR_CORE_DTYPES else "_simt"
-    return (
-        _preprocess(dt, variant),  # D = rowsum(dO * O): any head_dim, dense or varlen
-        _make("flash_bwd_dkdv" + suffix, dt, head_dim, variant),
-        _make("flash_bwd_dq" + suffix, dt, head_dim, variant),
-    )
+    pre = _per_row("flash_bwd_preprocess", dt, variant)  # D = rowsum(dO * O): any head_dim, dense or varlen
+    if dt not in TENSOR_CORE_DTYPES:
+        variant &= ~DETERMINISTIC
+        return pre, _make("flash_bwd_dkdv_simt", dt, head_dim, variant), _make("flash_bwd_dq_simt", dt, head_dim, variant)
+    return pre, _make("flash_bwd", dt, head_dim, variant), _per_row("flash_bwd_postprocess", dt, variant)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardWorkspace:
+    """Byte layout of one backward call's workspace: a single allocation from the caller's allocator.
+
+    D = rowsum(dO * O) (acc dtype, [batch, head, row]) at offset 0; for the tensor-core kernels the fp32 dQ
+    accumulator [batch, head, row, compiled head dim] at dq_accum_offset, and with DETERMINISTIC one int32
+    semaphore per (entry, head, query block of 64 rows) at dq_semaphore_offset (-1: absent). With varlen
+    D and dQ_accum are packed as lse is ([1, head, total_q]) while the semaphores are per sequence."""
+    nbytes: int
+    dq_accum_offset: int
+    dq_semaphore_offset: int
+
+
+def backward_workspace(dtype, head_dim: int, nheads: int, slabs: int, rows: int, entries: int, max_seqlen_q: int,
+                       deterministic: bool) -> BackwardWorkspace:
+    """slabs, rows: D's [slabs, nheads, rows] (dense: batch, seqlen_q; varlen: 1, total_q); entries,
+    max_seqlen_q: the grid's (dense: batch, seqlen_q; varlen: sequences, longest)."""
+    dt = dtype_name(dtype)
+    align = lambda n: -(-n // 16) * 16  # noqa: E731: every region 16-byte aligned (vector zeroing)
+    dsum = align(slabs * nheads * rows * ITEMSIZE[acc_dtype(dt)])
+    if dt not in TENSOR_CORE_DTYPES:
+        return BackwardWorkspace(dsum, -1, -1)
+    accum = align(slabs * nheads * rows * compiled_head_dim(head_dim) * 4)
+    sems = align(entries * nheads * ceil_div(max_seqlen_q, SEMAPHORE_ROWS) * 4) if deterministic else 0
+    return BackwardWorkspace(dsum + accum + sems, dsum, dsum + accum if deterministic else -1)
 
 
 # The instantiations the compile gate and `cuflash compile` build per (dtype, head dim): plain, causal,
 # and every variant at once (the most registers; other combinations compile on first use).
-GATED_VARIANTS = (0, LOCAL, ALL_VARIANTS)
+GATED_VARIANTS = (0, LOCAL, ALL_VARIANTS)  # (choose_forward drops DETERMINISTIC)
 # The KV-cache entry point (forward only, no dropout or varlen): a paged cache alone, and every variant
 # it can combine, dense and paged. PAGED is not in ALL_VARIANTS: with dropout on top (a combination no
 # entry point makes) the d=64 tensor-core forward spills on sm_90.

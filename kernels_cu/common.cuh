@@ -66,13 +66,35 @@ __device__ __forceinline__ A warp_allreduce_sum(A x) {
 
 // x, opaque to the compiler. Thread-index arithmetic derived from the result is computed where it is
 // used instead of being shared (common-subexpression elimination) with the same arithmetic done before
-// a long loop, which would keep those values in registers across the whole loop. flash_bwd_dkdv takes
+// a long loop, which would keep those values in registers across the whole loop. flash_bwd takes
 // its thread index through this once per query block and once for the final store: without it NVRTC
 // 12.9 spilled such values (tile-copy offsets and row predicates) for d = 64 causal on sm_80 and
 // d = 128 on sm_90. Costs a few integer instructions per use; changes no arithmetic on data.
 __device__ __forceinline__ int recompute(int x) {
     asm volatile("" : "+r"(x));
     return x;
+}
+
+// Global-memory reductions and flags of the backward's dQ accumulator (flash_bwd.cu).
+// red_add2: addr[0] += a, addr[1] += b as fp32 reductions (no return value); addr 8-byte aligned.
+// sm_90 has a vector form: one instruction, one L2 request for both.
+__device__ __forceinline__ void red_add2(float* addr, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(addr), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(addr, a);
+    atomicAdd(addr + 1, b);
+#endif
+}
+// A flag another block publishes with store_release after its writes (and a __threadfence in each writer
+// thread): what it wrote before is visible to the block that load_acquire-s the new value.
+__device__ __forceinline__ int load_acquire(const int* flag) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+    return v;
+}
+__device__ __forceinline__ void store_release(int* flag, int v) {
+    asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(flag), "r"(v) : "memory");
 }
 
 }  // namespace cuflash

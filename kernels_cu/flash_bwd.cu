@@ -1,14 +1,18 @@
-// FlashAttention backward: preprocess (every dtype), then dK/dV and dQ on tensor cores (fp16 / bf16).
+// FlashAttention backward, three launches: preprocess (every dtype), flash_bwd and postprocess (fp16 / bf16,
+// on tensor cores; fp32 / fp64 run flash_bwd_simt.cu's kernels after the same preprocess).
 //
-// Deterministic by construction: no atomics. flash_bwd_dkdv owns one key block and loops over the
-// group's query heads and their query blocks, accumulating dK and dV in fp32 registers; flash_bwd_dq
-// owns one query block and loops over key blocks, accumulating dQ in fp32 registers. Both recompute
-// S and P = exp2(S * scale_log2 - LSE * log2(e)) from Q, K and the forward's LSE; a row with LSE = -inf
-// (it saw no key) takes the offset +inf so that its P is exactly 0, never NaN.
+// One pass over key blocks, five tile GEMMs per (query block, key block): flash_bwd owns one key block
+// and loops over the group's query heads and their query blocks, recomputing S and P = exp2(S * scale_log2
+// - LSE * log2(e)) from Q, K and the forward's LSE once, accumulating dK and dV in fp32 registers, and
+// adding dQ's share dS K into an fp32 dQ accumulator in global memory (the workspace, config.BackwardWorkspace):
+// atomic adds as they come, or (kDeterministic) in increasing key-block order, each dQ tile's turn kept
+// by a semaphore, so that repeated calls are bitwise identical. Preprocess zeroes the accumulator and the
+// semaphores; postprocess converts dQ_accum * softmax_scale to the input dtype. A row with LSE = -inf (it
+// saw no key) takes the offset +inf so that its P is exactly 0, never NaN.
 //
 // Fragment layouts (mma.sync m16n8k16, ldmatrix) are spelled out in mma.cuh.
 //
-// Variants (kVariant, mask.cuh) as in the forward: the mask gives each kernel's loop range, S passes
+// Variants (kVariant, mask.cuh) as in the forward: the mask gives each key block's query blocks, S passes
 // through ScoreMod and the mask before P is recomputed. A softcap multiplies dS by its derivative
 // 1 - tanh^2. Dropout regenerates the forward's keep mask: dV takes the dropped P, and dL/dP is
 // dO V^T on kept entries times 1 / (1 - p), 0 on dropped ones; D = rowsum(dO * O) holds as it is.
@@ -28,7 +32,20 @@ __device__ __forceinline__ float lse_to_log2_offset(float lse) {
     return lse == neg_inf<float>() ? -neg_inf<float>() : lse * 1.4426950408889634f;
 }
 
-// D = rowsum(dO * O), one warp per row (lanes stride over head_dim), accumulated in acc_t<T>.
+// The dQ accumulator's rows of (entry, head) and the entry's dQ semaphores of that head (workspace offsets
+// in bytes from dsum; params.cuh).
+template <class Seq>
+__device__ __forceinline__ float* dq_accum_rows(const BwdParams& p, const Seq& seq, int batch, int head) {
+    return reinterpret_cast<float*>(static_cast<char*>(p.dsum) + p.dq_accum_offset) +
+           seq.q_offset(batch, p.dq_accum_batch_stride, p.dq_accum_row_stride) + head * p.dq_accum_head_stride;
+}
+__device__ __forceinline__ int* dq_semaphores(const BwdParams& p, int batch, int head) {
+    return reinterpret_cast<int*>(static_cast<char*>(p.dsum) + p.dq_semaphore_offset) +
+           batch * p.dq_semaphore_batch_stride + head * p.dq_semaphore_head_stride;
+}
+
+// D = rowsum(dO * O), one warp per row (lanes stride over head_dim), accumulated in acc_t<T>; and, where
+// the workspace has them, the block's rows of the dQ accumulator and its dQ semaphore set to 0.
 // Grid (ceil(seqlen_q / kBlockM), nheads, batch); rows >= seqlen_q are not written. No shared memory.
 // Takes no head dim, key tile or mask: one instantiation per dtype serves every head_dim and every
 // variant but kVarlen, its only bit of kVariant (config: head_dim = block_n = 0).
@@ -36,11 +53,20 @@ template <typename T, int kBlockM, int kNWarps, int kVariant>
 __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_preprocess(const __grid_constant__ BwdParams p) {
     using A = acc_t<T>;
 
-    // [1] Preprocess: D = rowsum(dO * O)
+    // [1] Preprocess: D = rowsum(dO * O); zero the dQ accumulator and semaphores
     const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const SeqInfo<(kVariant & kVarlen) != 0> seq(p.fwd, batch);
     const int seqlen_q = seq.seqlen_q, head_dim = p.fwd.head_dim;
+    if (p.dq_semaphore_offset >= 0 && threadIdx.x == 0) dq_semaphores(p, batch, head)[m_block] = 0;
+    if (p.dq_accum_offset >= 0 && m_block * kBlockM < seqlen_q) {
+        // the block's rows are contiguous: (rows * row stride) floats, a multiple of 4 (row stride: a head dim)
+        const int rows = min(kBlockM, seqlen_q - m_block * kBlockM);
+        float4* acc = reinterpret_cast<float4*>(dq_accum_rows(p, seq, batch, head) +
+                                                m_block * kBlockM * p.dq_accum_row_stride);
+        const int n4 = rows * static_cast<int>(p.dq_accum_row_stride) / 4;
+        for (int i = threadIdx.x; i < n4; i += kNWarps * 32) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
     const T* o = static_cast<const T*>(p.fwd.o) + seq.q_offset(batch, p.fwd.o_batch_stride, p.fwd.o_row_stride) +
                  head * p.fwd.o_head_stride;
     const T* dout = static_cast<const T*>(p.dout) + seq.q_offset(batch, p.do_batch_stride, p.do_row_stride) +
@@ -58,27 +84,32 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_preprocess(const __gri
     }
 }
 
-// dK, dV for one key block of kBlockN keys (grid (ceil(seqlen_k / kBlockN), nheads_k, batch)).
+// dK, dV and dQ's share of one key block of kBlockN keys. Grid (nheads_k, batch, ceil(seqlen_k / kBlockN)):
+// key blocks slowest, so that the blocks resident at once are the first key blocks of every head (causal:
+// the longest first), and a deterministic block waits only on key blocks launched before it.
 //
 // Warps form a kWN x kWM grid: kWN = kBlockN / 16 warps along the keys (16 key rows each) and kWM warps
-// sharing those rows. Everything is computed transposed so that keys are the mma's M dimension:
+// sharing those rows. S, P, dP, dS, dK and dV are computed transposed so that keys are the mma's M dimension:
 //   S^T = K Q^T, P^T, dP^T = V dO^T, dS^T (per warp: 16 keys x kBlockM / kWM queries),
 //   dV += P^T dO, dK += dS^T Q (per warp: 16 keys x kHeadDim / kWM dims, fp32 registers).
 // With kWM == 1 a warp's P^T / dS^T rows are exactly the A operands it needs, converted in registers.
 // With kWM > 1 they go through shared memory (sP, sdS) so that each warp sees all kBlockM queries.
+// dS^T always goes to sdS: dQ's share dS K takes dS as its A operand (queries x keys, ldmatrix .trans), each
+// warp 16-row groups of queries x a slice of the head dim, 32 (or 16) dims at a time in fp32 registers,
+// then added into the accumulator.
 //
 // Shared memory (16-bit elements, pitch kHeadDim + 8; sP / sdS pitch kBlockM + 8; then floats):
-//   sK [kBlockN], sV [kBlockN], sQ [kBlockM], sdO [kBlockM], (kWM > 1: sP [kBlockN], sdS [kBlockN]),
+//   sK [kBlockN], sV [kBlockN], sQ [kBlockM], sdO [kBlockM], sdS [kBlockN], (kWM > 1: sP [kBlockN]),
 //   sLse [kBlockM] (log2 offsets), sD [kBlockM]
 //   config.smem_bytes: (2 * block_n + 2 * block_m) * (head_dim + 8) * 2
-//                      + (kWM > 1 ? 2 * block_n * (block_m + 8) * 2 : 0) + 2 * block_m * 4
+//                      + (kWM > 1 ? 2 : 1) * block_n * (block_m + 8) * 2 + 2 * block_m * 4
 //
 // Launch bounds: minBlocks 0 leaves ptxas its occupancy heuristic, except at d <= 64 with a mask, where
 // the heuristic trims to an occupancy step (128 or 168 registers) and spills (the compile gate, sm_80
 // and sm_90): there 1 lifts the trim.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kVariant>
 __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kLocal) ? 1 : 0)
-    flash_bwd_dkdv(const __grid_constant__ BwdParams p) {
+    flash_bwd(const __grid_constant__ BwdParams p) {
     static_assert(sizeof(T) == 2, "tensor-core kernel: __half or __nv_bfloat16");
     static_assert(kBlockN % 16 == 0 && kNWarps % (kBlockN / 16) == 0, "16 key rows per warp");
     constexpr int kNThreads = kNWarps * 32;
@@ -93,8 +124,16 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
     constexpr bool kPInSmem = kWM > 1;
     constexpr int kPPitch = kBlockM + 8;
     constexpr unsigned kSmemBytes = (2 * kBlockN + 2 * kBlockM) * kPitch * sizeof(T) +
-                                    (kPInSmem ? 2 * kBlockN * kPPitch * sizeof(T) : 0) + 2 * kBlockM * sizeof(float);
+                                    (kPInSmem ? 2 : 1) * kBlockN * kPPitch * sizeof(T) + 2 * kBlockM * sizeof(float);
     constexpr bool kIsDropout = (kVariant & kDropout) != 0;
+    constexpr bool kIsDeterministic = (kVariant & kDeterministic) != 0;
+    // dQ's share: kDqWM warps along the query rows (kDqMTiles 16-row groups each) x kDqWD along the head dim
+    constexpr int kDqWM = kNWarps < kBlockM / 16 ? kNWarps : kBlockM / 16;
+    constexpr int kDqWD = kNWarps / kDqWM;
+    constexpr int kDqMTiles = kBlockM / 16 / kDqWM;
+    constexpr int kDqDCols = kHeadDim / kDqWD;
+    constexpr int kDqChunk = kDqDCols % 32 == 0 ? 32 : 16;  // dims per pass through the fp32 registers
+    static_assert(kNWarps % kDqWM == 0 && kDqDCols % kDqChunk == 0, "dQ's share splits over the warps");
     using Mod = ScoreMod<float, kVariant, true>;
     constexpr int kNTilesCap = (kVariant & kSoftcap) ? kNTilesQ : 1;  // the softcap derivative's tile
 
@@ -107,13 +146,13 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
     T* sV = sK + kBlockN * kPitch;
     T* sQ = sV + kBlockN * kPitch;
     T* sdO = sQ + kBlockM * kPitch;
-    T* sP = sdO + kBlockM * kPitch;
-    T* sdS = sP + (kPInSmem ? kBlockN * kPPitch : 0);
-    float* sLse = reinterpret_cast<float*>(sdS + (kPInSmem ? kBlockN * kPPitch : 0));
+    T* sdS = sdO + kBlockM * kPitch;
+    T* sP = sdS + kBlockN * kPPitch;
+    float* sLse = reinterpret_cast<float*>(sP + (kPInSmem ? kBlockN * kPPitch : 0));
     float* sD = sLse + kBlockM;
 
-    // [2] dK/dV block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
-    const int n_block = blockIdx.x, head_k = blockIdx.y, batch = blockIdx.z;
+    // [2] Block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
+    const int head_k = blockIdx.x, batch = blockIdx.y, n_block = blockIdx.z;
     const SeqInfo<(kVariant & kVarlen) != 0> seq(p.fwd, batch);
     const int key_begin = n_block * kBlockN;
     if (key_begin >= seq.seqlen_k) return;  // varlen: a shorter sequence than the grid's
@@ -149,7 +188,11 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
     // P^T, dS^T as A operands from shared memory (kWM > 1): rows = this warp's keys, k = queries.
     const unsigned p_a = smem_u32(sP + key_row0 * kPPitch + ldsm_a_offset(lane, kPPitch));
     const unsigned ds_a = smem_u32(sdS + key_row0 * kPPitch + ldsm_a_offset(lane, kPPitch));
-    const int t = lane & 3;
+    // dQ's share: dS as the A operand from the [key][query] sdS (.trans), K as B from [key][dim] (.trans)
+    const int dq_row0 = (warp % kDqWM) * kDqMTiles * 16, dq_col0 = (warp / kDqWM) * kDqDCols;
+    const unsigned ds_at = smem_u32(sdS + dq_row0 + ldsm_at_offset(lane, kPPitch));
+    const unsigned k_bt = smem_u32(sK + dq_col0 + ldsm_bt_offset(lane, kPitch));
+    const int g = lane >> 2, t = lane & 3;
 
     float acc_dk[kNTilesD][4], acc_dv[kNTilesD][4];
 #pragma unroll
@@ -169,6 +212,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
             static_cast<const float*>(p.dsum) + seq.row_offset(batch, head, p.dsum_batch_stride, p.dsum_head_stride);
         const Mod mod(p.fwd, batch, head, mask.shift);
         const float scale_log2 = mod.score_log2(p.fwd);
+        float* dq_accum = dq_accum_rows(p, seq, batch, head);
 
         for (int m_block = m_block_first; m_block < m_block_end; ++m_block) {
             const int row_begin = m_block * kBlockM;
@@ -303,10 +347,21 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
                     if constexpr ((kVariant & kSoftcap) != 0) ds *= dcap[ni][e];
                     acc_dp[ni][e] = ds;
                 }
-            if constexpr (kPInSmem) {
-                acc_to_smem<T, kNTilesQ, kPPitch>(sdS, acc_dp, key_row0, q_col0, lane, 1.f);
-                __syncthreads();
+            acc_to_smem<T, kNTilesQ, kPPitch>(sdS, acc_dp, key_row0, q_col0, lane, 1.f);
+            // kDeterministic: this key block's turn at the dQ tile, once the key blocks before it have added
+            int* semaphore = nullptr;
+            int turn = 0;
+            if constexpr (kIsDeterministic) {
+                int n_first, n_end;
+                mask.template n_block_range<kBlockM, kBlockN>(m_block, n_first, n_end);
+                semaphore = dq_semaphores(p, batch, head) + m_block;
+                turn = n_block - n_first;
+                if (tid == 0) {
+                    while (load_acquire(semaphore) != turn) {
+                    }
+                }
             }
+            __syncthreads();  // sdS (and sP, the semaphore) for every warp
 
             // [8] dK += dS^T Q
             // A = dS^T (keys x queries); B = Q (k = queries, n = dims).
@@ -326,11 +381,57 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
                     mma_16816<T>(acc_dk[2 * np + 1], a, b[2], b[3]);
                 }
             }
+
+            // [9] dQ_accum += dS K: fp32 atomic adds, in key-block order when deterministic
+            // A = dS (queries x keys, k-slice ks = keys 16*ks..+15); B = K (k = keys, n = dims).
+            {
+                float* dq_rows = dq_accum + (row_begin + dq_row0 + g) * p.dq_accum_row_stride + dq_col0 + 2 * t;
+#pragma unroll
+                for (int c = 0; c < kDqDCols; c += kDqChunk) {
+                    float acc_dq[kDqMTiles][kDqChunk / 8][4];
+#pragma unroll
+                    for (int mi = 0; mi < kDqMTiles; ++mi)
+#pragma unroll
+                        for (int nd = 0; nd < kDqChunk / 8; ++nd)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) acc_dq[mi][nd][e] = 0.f;
+#pragma unroll
+                    for (int ks = 0; ks < kBlockN / 16; ++ks) {
+                        unsigned a[kDqMTiles][4];  // reloaded per chunk: held for all chunks they spill at d = 128
+#pragma unroll
+                        for (int mi = 0; mi < kDqMTiles; ++mi)
+                            ldmatrix_x4_trans(a[mi], ds_at + (mi * 16 + ks * 16 * kPPitch) * sizeof(T));
+#pragma unroll
+                        for (int np = 0; np < kDqChunk / 16; ++np) {
+                            unsigned b[4];  // {b0,b1} of dims c + 16*np + g, then + 8 (k = keys), via .trans
+                            ldmatrix_x4_trans(b, k_bt + (ks * 16 * kPitch + c + np * 16) * sizeof(T));
+#pragma unroll
+                            for (int mi = 0; mi < kDqMTiles; ++mi) {
+                                mma_16816<T>(acc_dq[mi][2 * np], a[mi], b[0], b[1]);
+                                mma_16816<T>(acc_dq[mi][2 * np + 1], a[mi], b[2], b[3]);
+                            }
+                        }
+                    }
+                    // acc_dq[mi][nd][2h + e]: query row dq_row0 + 16 mi + g + 8h, dim dq_col0 + c + 8 nd + 2t + e
+#pragma unroll
+                    for (int mi = 0; mi < kDqMTiles; ++mi)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            if (row_begin + dq_row0 + 16 * mi + g + 8 * h >= seqlen_q) continue;
+                            float* dst = dq_rows + (16 * mi + 8 * h) * p.dq_accum_row_stride + c;
+#pragma unroll
+                            for (int nd = 0; nd < kDqChunk / 8; ++nd)
+                                red_add2(dst + 8 * nd, acc_dq[mi][nd][2 * h], acc_dq[mi][nd][2 * h + 1]);
+                        }
+                }
+            }
+            if constexpr (kIsDeterministic) __threadfence();  // the adds land before the next turn is given
             __syncthreads();  // every warp is done with sQ, sdO, sP, sdS, sLse, sD before the next block
+            if (kIsDeterministic && tid == 0) store_release(semaphore, turn + 1);
         }
     }
 
-    // [9] Store dK * softmax_scale and dV
+    // [10] Store dK * softmax_scale and dV
     cp_async_wait<0>();  // K, V copies may still be in flight when no query block was visited
     __syncthreads();
     acc_to_smem<T, kNTilesD, kPitch>(sK, acc_dk, key_row0, d_col0, lane, static_cast<float>(p.fwd.softmax_scale));
@@ -345,222 +446,30 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
     store_tile<kBlockN, kHeadDim, kPitch, kNThreads>(dv, p.dv_row_stride, sV, seqlen_k - key_begin, head_dim, tid_st);
 }
 
-// dQ for one query block of kBlockM rows (grid (ceil(seqlen_q / kBlockM), nheads, batch)).
-//
-// Warp w owns query rows [w * kMTiles * 16, +kMTiles * 16) of the block, as in the forward: S, dP, dS
-// (kMTiles x kBlockN) and dQ (kMTiles x kHeadDim, fp32) are in its registers, and dS becomes the A
-// operand of dS K in registers.
-//
-// Shared memory (16-bit elements, pitch kHeadDim + 8): sQ [kBlockM], sdO [kBlockM], sK [kBlockN], sV [kBlockN]
-//   config.smem_bytes: (2 * block_m + 2 * block_n) * (head_dim + 8) * 2
-// V[n+1] is fetched while dS and dS K[n] are computed; K[n+1] after dS K[n].
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kVariant>
-__global__ void __launch_bounds__(kNWarps * 32) flash_bwd_dq(const __grid_constant__ BwdParams p) {
-    static_assert(sizeof(T) == 2, "tensor-core kernel: __half or __nv_bfloat16");
-    static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0, "16-wide mma k-slices / ldmatrix pairs");
-    static_assert(kBlockM % (16 * kNWarps) == 0, "each warp owns a multiple of 16 query rows");
-    constexpr int kNThreads = kNWarps * 32;
-    constexpr int kPitch = kHeadDim + 8;
-    constexpr int kMTiles = kBlockM / (16 * kNWarps);
-    constexpr int kNTilesS = kBlockN / 8;
-    constexpr int kNTilesD = kHeadDim / 8;
-    constexpr unsigned kSmemBytes = (2 * kBlockM + 2 * kBlockN) * kPitch * sizeof(T);
-    using Mod = ScoreMod<float, kVariant, true>;
-
-    unsigned dyn_smem;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-    if (dyn_smem < kSmemBytes) __trap();
-
-    extern __shared__ __align__(16) char smem[];
-    T* sQ = reinterpret_cast<T*>(smem);
-    T* sdO = sQ + kBlockM * kPitch;
-    T* sK = sdO + kBlockM * kPitch;
-    T* sV = sK + kBlockN * kPitch;
-
-    // [10] dQ block coordinates: m_block, head, batch; the mask gives the key blocks to visit
-    const int m_block = query_block<kVariant>(), head = blockIdx.y, batch = blockIdx.z;
+// dQ = dQ_accum * softmax_scale in T, 8 dims (two float4 loads, one 16-byte store) per thread and step.
+// Grid (ceil(seqlen_q / kBlockM), nheads, batch); no shared memory; one instantiation per dtype, as for
+// the preprocess (config: head_dim = block_n = 0). head_dim is a multiple of 8 (the API's rule).
+template <typename T, int kBlockM, int kNWarps, int kVariant>
+__global__ void __launch_bounds__(kNWarps * 32) flash_bwd_postprocess(const __grid_constant__ BwdParams p) {
+    // [11] Postprocess: dQ = dQ_accum * softmax_scale in the input dtype
+    const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
     const SeqInfo<(kVariant & kVarlen) != 0> seq(p.fwd, batch);
     const int row_begin = m_block * kBlockM;
-    if (row_begin >= seq.seqlen_q) return;  // varlen: a shorter sequence than the grid's
-    const int head_k = head / (p.fwd.nheads / p.fwd.nheads_k);
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int g = lane >> 2, t = lane & 3;
-    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, head_dim = p.fwd.head_dim;
-    const Mask<kVariant> mask(p.fwd, seq.seqlen_q, seq.seqlen_k);
-    const Mod mod(p.fwd, batch, head, mask.shift);
-    int n_block_min, n_block_end;
-    mask.template n_block_range<kBlockM, kBlockN>(m_block, n_block_min, n_block_end);
-    const int warp_row0 = warp * kMTiles * 16;
-    const float scale_log2 = mod.score_log2(p.fwd);
-
-    const T* q = static_cast<const T*>(p.fwd.q) + seq.q_offset(batch, p.fwd.q_batch_stride, p.fwd.q_row_stride) +
-                 head * p.fwd.q_head_stride + row_begin * p.fwd.q_row_stride;
-    const T* dout = static_cast<const T*>(p.dout) + seq.q_offset(batch, p.do_batch_stride, p.do_row_stride) +
-                    head * p.do_head_stride + row_begin * p.do_row_stride;
-    const T* k = static_cast<const T*>(p.fwd.k) + seq.k_offset(batch, p.fwd.k_batch_stride, p.fwd.k_row_stride) +
-                 head_k * p.fwd.k_head_stride;
-    const T* v = static_cast<const T*>(p.fwd.v) + seq.k_offset(batch, p.fwd.v_batch_stride, p.fwd.v_row_stride) +
-                 head_k * p.fwd.v_head_stride;
-
-    cp_async_tile<kBlockM, kHeadDim, kPitch, kNThreads>(sQ, q, p.fwd.q_row_stride, seqlen_q - row_begin, head_dim, tid);
-    cp_async_tile<kBlockM, kHeadDim, kPitch, kNThreads>(sdO, dout, p.do_row_stride, seqlen_q - row_begin, head_dim, tid);
-    if (n_block_end > n_block_min) {
-        const int key0 = n_block_min * kBlockN;
-        cp_async_tile<kBlockN, kHeadDim, kPitch, kNThreads>(sK, k + key0 * p.fwd.k_row_stride, p.fwd.k_row_stride,
-                                                           seqlen_k - key0, head_dim, tid);
-        cp_async_tile<kBlockN, kHeadDim, kPitch, kNThreads>(sV, v + key0 * p.fwd.v_row_stride, p.fwd.v_row_stride,
-                                                           seqlen_k - key0, head_dim, tid);
+    const int rows = min(kBlockM, seq.seqlen_q - row_begin);
+    if (rows <= 0) return;  // varlen: a shorter sequence than the grid's
+    const float* acc = dq_accum_rows(p, seq, batch, head) + row_begin * p.dq_accum_row_stride;
+    T* dq = static_cast<T*>(p.dq) + seq.q_offset(batch, p.dq_batch_stride, p.dq_row_stride) +
+            head * p.dq_head_stride + row_begin * p.dq_row_stride;
+    const float scale = static_cast<float>(p.fwd.softmax_scale);
+    const int chunks = p.fwd.head_dim / 8;
+    for (int i = threadIdx.x; i < rows * chunks; i += kNWarps * 32) {
+        const int r = i / chunks, c = (i - r * chunks) * 8;
+        const float4 x0 = *reinterpret_cast<const float4*>(acc + r * p.dq_accum_row_stride + c);
+        const float4 x1 = *reinterpret_cast<const float4*>(acc + r * p.dq_accum_row_stride + c + 4);
+        *reinterpret_cast<uint4*>(dq + r * p.dq_row_stride + c) =
+            make_uint4(pack2<T>(x0.x * scale, x0.y * scale), pack2<T>(x0.z * scale, x0.w * scale),
+                       pack2<T>(x1.x * scale, x1.y * scale), pack2<T>(x1.z * scale, x1.w * scale));
     }
-    cp_async_commit();
-
-    // LSE offsets and D of this thread's rows: index 2*mi + h is row warp_row0 + 16*mi + g + 8h.
-    float lse_off[2 * kMTiles], dsum[2 * kMTiles];
-    {
-        const float* lse_head = static_cast<const float*>(p.fwd.lse) +
-                                seq.row_offset(batch, head, p.fwd.lse_batch_stride, p.fwd.lse_head_stride);
-        const float* dsum_head =
-            static_cast<const float*>(p.dsum) + seq.row_offset(batch, head, p.dsum_batch_stride, p.dsum_head_stride);
-#pragma unroll
-        for (int mi = 0; mi < kMTiles; ++mi)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = row_begin + warp_row0 + 16 * mi + g + 8 * h;
-                lse_off[2 * mi + h] = row < seqlen_q ? lse_to_log2_offset(lse_head[row]) : -neg_inf<float>();
-                dsum[2 * mi + h] = row < seqlen_q ? dsum_head[row] : 0.f;
-            }
-    }
-
-    // Per-lane ldmatrix addresses (bytes, shared space).
-    // Q, dO: A operands (rows = this warp's queries, k = head dim).
-    const unsigned q_a = smem_u32(sQ + warp_row0 * kPitch + ldsm_a_offset(lane, kPitch));
-    const unsigned do_a = smem_u32(sdO + warp_row0 * kPitch + ldsm_a_offset(lane, kPitch));
-    // K, V: B operands of Q K^T / dO V^T from [key][dim] = [n][k] tiles, non-transposed.
-    const unsigned k_b = smem_u32(sK + ldsm_b_offset(lane, kPitch));
-    const unsigned v_b = smem_u32(sV + ldsm_b_offset(lane, kPitch));
-    // K: B operand of dS K from the [key][dim] = [k][n] tile, transposed.
-    const unsigned k_bt = smem_u32(sK + ldsm_bt_offset(lane, kPitch));
-
-    float acc_dq[kMTiles][kNTilesD][4];
-#pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi)
-#pragma unroll
-        for (int nd = 0; nd < kNTilesD; ++nd)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_dq[mi][nd][e] = 0.f;
-
-    for (int n_block = n_block_min; n_block < n_block_end; ++n_block) {
-        const int key0 = n_block * kBlockN;
-        cp_async_wait<0>();  // K[n_block], V[n_block] (and Q, dO) have landed ...
-        __syncthreads();     // ... for every thread
-
-        // [11] Recompute S, P and dS = P * (dO V^T - D) for one key block
-        // acc_s / acc_dp[mi][ni][2h + e]: query row warp_row0 + 16*mi + g + 8h, key key0 + 8*ni + 2t + e.
-        float acc_s[kMTiles][kNTilesS][4], acc_dp[kMTiles][kNTilesS][4];
-#pragma unroll
-        for (int mi = 0; mi < kMTiles; ++mi)
-#pragma unroll
-            for (int ni = 0; ni < kNTilesS; ++ni)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc_s[mi][ni][e] = acc_dp[mi][ni][e] = 0.f;
-#pragma unroll
-        for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-            unsigned aq[kMTiles][4], ado[kMTiles][4];  // rows 16*mi + {g, g+8}, dims 16*ks + ...
-#pragma unroll
-            for (int mi = 0; mi < kMTiles; ++mi) {
-                ldmatrix_x4(aq[mi], q_a + (mi * 16 * kPitch + ks * 16) * sizeof(T));
-                ldmatrix_x4(ado[mi], do_a + (mi * 16 * kPitch + ks * 16) * sizeof(T));
-            }
-#pragma unroll
-            for (int np = 0; np < kNTilesS / 2; ++np) {
-                unsigned bk[4], bv[4];  // {b0,b1} of keys 16*np + g, then 16*np + 8 + g (k = dims)
-                ldmatrix_x4(bk, k_b + (np * 16 * kPitch + ks * 16) * sizeof(T));
-                ldmatrix_x4(bv, v_b + (np * 16 * kPitch + ks * 16) * sizeof(T));
-#pragma unroll
-                for (int mi = 0; mi < kMTiles; ++mi) {
-                    mma_16816<T>(acc_s[mi][2 * np], aq[mi], bk[0], bk[1]);
-                    mma_16816<T>(acc_s[mi][2 * np + 1], aq[mi], bk[2], bk[3]);
-                    mma_16816<T>(acc_dp[mi][2 * np], ado[mi], bv[0], bv[1]);
-                    mma_16816<T>(acc_dp[mi][2 * np + 1], ado[mi], bv[2], bv[3]);
-                }
-            }
-        }
-        __syncthreads();  // every warp is done with sV
-        if (n_block + 1 < n_block_end) {
-            const int key_next = key0 + kBlockN;
-            cp_async_tile<kBlockN, kHeadDim, kPitch, kNThreads>(sV, v + key_next * p.fwd.v_row_stride,
-                                                               p.fwd.v_row_stride, seqlen_k - key_next, head_dim, tid);
-            cp_async_commit();
-        }
-        // Dropout: dL/dP = dO V^T / (1 - p) where kept, 0 where dropped
-        if constexpr ((kVariant & kDropout) != 0) {
-            const float rp = static_cast<float>(p.fwd.dropout_scale);
-            Dropout(p.fwd, batch, head).for_each_keep(acc_dp, row_begin + warp_row0, key0, lane,
-                                                      [rp](float& x, bool kept) { x = kept ? x * rp : 0.f; });
-        }
-        // Mask, then score modifiers on the visible scores; dS = P * (dP - D), times the softcap's 1 - tanh^2
-        if (mask.template needs_mask<kBlockM, kBlockN>(m_block, n_block)) {
-            // lane through recompute: the walk's row / column offsets are not kept across the loop
-            for_each_score<kMTiles, kNTilesS>(row_begin + warp_row0, key0, recompute(lane), [&](float& x, int row, int col) {
-                if (!mask.visible(row, col)) x = neg_inf<float>();
-            }, acc_s);
-        }
-        // acc_s / acc_dp[mi][ni][2h + e]: row slot r = 2 mi + h (lse_off, dsum), as in mma.cuh's for_each_score
-#pragma unroll
-        for (int mi = 0; mi < kMTiles; ++mi)
-#pragma unroll
-            for (int ni = 0; ni < kNTilesS; ++ni)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int r = 2 * mi + (e >> 1);
-                    float sv = acc_s[mi][ni][e], dcap = 1.f;
-                    if constexpr (Mod::kTransform) {
-                        const int row = row_begin + warp_row0 + 16 * mi + g + 8 * (e >> 1);
-                        const float x = mod.apply(sv, row, key0 + 8 * ni + 2 * t + (e & 1), dcap);
-                        // masked scores stay -inf: a select, not a branch around tanh (ALiBi keeps -inf itself)
-                        sv = Mod::kIsSoftcap && sv == neg_inf<float>() ? sv : x;
-                    }
-                    const float pv = exp2f(sv * scale_log2 - lse_off[r]);
-                    acc_dp[mi][ni][e] = pv * (acc_dp[mi][ni][e] - dsum[r]) * dcap;  // now dS
-                }
-
-        // [12] dQ += dS K
-        // A = dS (queries x keys, k-slice ks = keys 16*ks..+15, n-tiles 2ks, 2ks+1); B = K (k = keys, n = dims).
-#pragma unroll
-        for (int ks = 0; ks < kBlockN / 16; ++ks) {
-            unsigned a[kMTiles][4];
-#pragma unroll
-            for (int mi = 0; mi < kMTiles; ++mi) acc_to_a<T>(a[mi], acc_dp[mi][2 * ks], acc_dp[mi][2 * ks + 1]);
-#pragma unroll
-            for (int np = 0; np < kHeadDim / 16; ++np) {
-                unsigned b[4];  // {b0,b1} of dims 16*np + g, then 16*np + 8 + g (k = keys), via .trans
-                ldmatrix_x4_trans(b, k_bt + (ks * 16 * kPitch + np * 16) * sizeof(T));
-#pragma unroll
-                for (int mi = 0; mi < kMTiles; ++mi) {
-                    mma_16816<T>(acc_dq[mi][2 * np], a[mi], b[0], b[1]);
-                    mma_16816<T>(acc_dq[mi][2 * np + 1], a[mi], b[2], b[3]);
-                }
-            }
-        }
-        __syncthreads();  // every warp is done with sK
-        if (n_block + 1 < n_block_end) {
-            const int key_next = key0 + kBlockN;
-            cp_async_tile<kBlockN, kHeadDim, kPitch, kNThreads>(sK, k + key_next * p.fwd.k_row_stride,
-                                                               p.fwd.k_row_stride, seqlen_k - key_next, head_dim, tid);
-            cp_async_commit();
-        }
-    }
-
-    // [13] Store dQ * softmax_scale
-    cp_async_wait<0>();  // Q / dO copies may still be in flight when no key block was visited
-    __syncthreads();
-    const float softmax_scale = static_cast<float>(p.fwd.softmax_scale);
-#pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi)
-        acc_to_smem<T, kNTilesD, kPitch>(sQ, acc_dq[mi], warp_row0 + 16 * mi, 0, lane, softmax_scale);
-    __syncthreads();
-    T* dq = static_cast<T*>(p.dq) + seq.q_offset(batch, p.dq_batch_stride, p.dq_row_stride) + head * p.dq_head_stride +
-            row_begin * p.dq_row_stride;
-    store_tile<kBlockM, kHeadDim, kPitch, kNThreads>(dq, p.dq_row_stride, sQ, seqlen_q - row_begin, head_dim, tid);
 }
 
 }  // namespace cuflash

@@ -31,6 +31,7 @@ constexpr int kVarlen = 16;
 constexpr int kWindow = 32;  // with kLocal: a sliding window, its bounds from the params
 constexpr int kSeqused = 64;  // KV cache: key counts from seqused_k (seqinfo.cuh)
 constexpr int kPaged = 128;   // KV cache in pages: key rows through block_table (seqinfo.cuh KeyRows)
+constexpr int kDeterministic = 256;  // backward: dQ tiles summed in key-block order (flash_bwd.cu)
 
 // A window bound of -1 (unbounded) as the params hold it (cuflash/_params.py writes it): far enough
 // that no row + shift + bound overflows.

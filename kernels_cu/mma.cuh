@@ -85,6 +85,14 @@ __device__ __forceinline__ int ldsm_bt_offset(int lane, int stride) {
     return ((lane & 7) + (((lane >> 3) & 1) << 3)) * stride + (lane >> 4) * 8;
 }
 
+// A operand from a [k][m] tile (A[m][k] = tile[k][m], e.g. dS from the dK/dV kernel's [key][query] dS^T),
+// with ldmatrix .trans: matrices j = 0..3 are (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15),
+// (m 8-15, k 8-15) = a0..a3, matrix j stored at tile rows k = 8 * (j >> 1) + 0..7, columns m = 8 * (j & 1):
+// lane l addresses row k = (l & 7) + 8 * (l >> 4), column m = 8 * ((l >> 3) & 1), ldsm_b_offset's map.
+__device__ __forceinline__ int ldsm_at_offset(int lane, int stride) {
+    return ldsm_b_offset(lane, stride);
+}
+
 // Accumulators of two adjacent n-tiles (16 columns) -> A fragment of a 16 x 16 k-slice, in registers.
 // acc0 = columns 0-7 of the slice, acc1 = columns 8-15. acc c0,c1 = (row g, cols 2t,2t+1) and
 // c2,c3 = (row g+8, cols 2t,2t+1); so a0 = acc0 c0c1, a1 = acc0 c2c3, a2 = acc1 c0c1, a3 = acc1 c2c3.

@@ -64,13 +64,22 @@ struct BwdParams {
     void* dq;
     void* dk;
     void* dv;
-    void* dsum;            // acc_t, [batch, head, row]: D = rowsum(dO * O), written by preprocess
+    void* dsum;            // the workspace (config.BackwardWorkspace); at offset 0 D = rowsum(dO * O), acc_t,
+                           // [batch, head, row], written by preprocess
 
     long long do_batch_stride, do_row_stride, do_head_stride;
     long long dq_batch_stride, dq_row_stride, dq_head_stride;
     long long dk_batch_stride, dk_row_stride, dk_head_stride;
     long long dv_batch_stride, dv_row_stride, dv_head_stride;
     long long dsum_batch_stride, dsum_head_stride;  // dsum row stride is 1
+
+    // Tensor-core backward (flash_bwd): byte offsets into the workspace, -1 where absent. The fp32 dQ
+    // accumulator [batch, head, row, dim] (row stride: the compiled head dim), zeroed by preprocess, summed
+    // into by flash_bwd, converted by postprocess; with kDeterministic one int semaphore per (entry, head,
+    // 64 query rows), zeroed by preprocess: how many key blocks have added into that dQ tile.
+    long long dq_accum_offset, dq_semaphore_offset;
+    long long dq_accum_batch_stride, dq_accum_head_stride, dq_accum_row_stride;
+    long long dq_semaphore_batch_stride, dq_semaphore_head_stride;
 };
 
 }  // namespace cuflash
