@@ -6,9 +6,10 @@ Prints one JSON object on stdout. Every allocation goes through a fresh CuPy mem
 a tracking allocator, which records the pool's live bytes after each malloc (live bytes only grow at
 a malloc, so that is the exact peak, to the pool's 512-byte rounding). The inputs (q, k, v, dout)
 are allocated first and are the baseline; what the calls add on top is compared with the
-unavoidable: o, lse, dq, dk, dv and dsum (D = rowsum(dO * O), float32 [batch, nheads, seqlen]).
-There is no dQ accumulator in global memory: dQ is accumulated in registers. No N x N matrix may
-appear, and no input may be copied. tests/test_gpu_kernels.py runs `measure` and asserts on it.
+unavoidable: o, lse, dq, dk, dv and the backward's workspace (config.BackwardWorkspace: D = rowsum(dO * O),
+and for fp16 / bf16 the fp32 dQ accumulator [batch, nheads, seqlen, head dim] and the deterministic
+mode's semaphores; the breakdown reports each). No N x N matrix may appear, and no input may be copied.
+tests/test_gpu_kernels.py runs `measure` and asserts on it.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def measure(batch: int = 1, nheads: int = 8, seqlen: int = 8192, head_dim: int =
     import numpy as np
 
     import cuflash
+    from cuflash.config import backward_workspace
 
     np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     lse_itemsize = 8 if dtype == "float64" else 4
@@ -72,8 +74,12 @@ def measure(batch: int = 1, nheads: int = 8, seqlen: int = 8192, head_dim: int =
         del q, k, v, do, o, lse, dq, dk, dv
     pool.free_all_blocks()
 
-    dsum = batch * nheads * seqlen * lse_itemsize
-    unavoidable = sum(outputs.values()) + dsum
+    layout = backward_workspace(dtype, head_dim, nheads, batch, seqlen, batch, seqlen, True)
+    workspace = {"dsum": batch * nheads * seqlen * lse_itemsize}  # D, then the fp32 dQ accumulator, the semaphores
+    if layout.dq_accum_offset >= 0:
+        workspace["dq_accum"] = layout.dq_semaphore_offset - layout.dq_accum_offset
+        workspace["dq_semaphores"] = layout.nbytes - layout.dq_semaphore_offset
+    unavoidable = sum(outputs.values()) + layout.nbytes
     extra = peak - baseline
     try:
         gpu = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
@@ -92,7 +98,7 @@ def measure(batch: int = 1, nheads: int = 8, seqlen: int = 8192, head_dim: int =
         "peak_extra_bytes": extra,
         "live_after_extra_bytes": live_after - baseline,
         "unavoidable_bytes": unavoidable,
-        "unavoidable_breakdown": {**outputs, "dsum": dsum},
+        "unavoidable_breakdown": {**outputs, **workspace},
         "outputs_bytes": sum(outputs.values()),
         "ratio": extra / unavoidable,
         "within_10_percent": extra <= 1.10 * unavoidable,

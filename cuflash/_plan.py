@@ -191,15 +191,15 @@ class ForwardPlan:
 
 
 class BackwardPlan:
-    """One backward signature: its launches, and how to allocate dq, dk, dv and the D workspace."""
+    """One backward signature: its launches, and how to allocate dq, dk, dv and the workspace."""
 
-    def __init__(self, caller, launches, do, q, k, v, o, lse, grads, general):
+    def __init__(self, caller, launches, do, q, k, v, o, lse, grads, workspace_shape, general):
         self.kind = kind = _Kind(caller)
         self.launches = launches
         self.shapes = tuple(tuple(x.shape) for x in (q, k, v))
-        self.dsum_shape = tuple(lse.shape)
-        # dq, dk, dv and D shaped as C-contiguous q, k, v and lse: empty_like makes them
-        self.like = all(map(kind.contiguous, (q, k, v, lse)))
+        self.workspace_shape = tuple(workspace_shape)  # 1-D, lse's dtype (api._workspace)
+        # dq, dk, dv shaped as C-contiguous q, k, v: empty_like makes them
+        self.like = all(map(kind.contiguous, (q, k, v)))
         # dq=, dk=, dv= given: their spans, and those of everything they must not overlap
         self.grads_given = any(x is not None for x in grads)
         if self.grads_given:
@@ -223,11 +223,11 @@ class BackwardPlan:
             ptrs = [ptr(x) for x in (*grads, do, q, k, v, o, lse)]
             if any(p & MISALIGNED for p in ptrs[:3]) or _any_overlap(self.spans, ptrs):
                 return self.general(do, q, k, v, o, lse, dq=dq, dk=dk, dv=dv)
-        dsum = kind.like(lse) if self.like else same(lse, self.dsum_shape)
+        workspace = same(lse, self.workspace_shape)
         L = self.launches
         with L.lock:
             L.patch(_params.FWD_POINTERS, pq, pk, pv, po, ptr(lse))
-            L.patch(_params.BWD_POINTERS, pdo, *map(ptr, grads), ptr(dsum))
+            L.patch(_params.BWD_POINTERS, pdo, *map(ptr, grads), ptr(workspace))
             L.run(kind.stream())
         return tuple(grads)
 

@@ -19,7 +19,7 @@ import functools
 import importlib
 
 from . import _checks, _interop, _mask, _philox, _plan
-from .config import acc_dtype as lse_dtype, numpy_dtype
+from .config import ITEMSIZE, acc_dtype as lse_dtype, backward_workspace, ceil_div, numpy_dtype
 
 # The variants' defaults. The plan cache is looked up only when every variant argument *is* its default
 # object (one chain of identity tests); anything else, an explicit 0.0 included, takes the general path.
@@ -240,10 +240,13 @@ def flash_attn_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None
     """Gradients (dq, dk, dv) of the forward call that produced (o, lse), given dout = dL/do.
 
     P is recomputed from q, k and lse; no N x N matrix is stored. dq=, dk=, dv=, when given, receive
-    the gradients in place (checked like `out=`). The backward is deterministic: every gradient
-    element is reduced in a fixed order (no atomics), so `deterministic` is accepted for
-    FlashAttention compatibility and repeated calls are bitwise identical either way. The variant
-    arguments must be the forward's (dropout regenerates the forward's keep mask from seed, offset).
+    the gradients in place (checked like `out=`). The variant arguments must be the forward's (dropout
+    regenerates the forward's keep mask from seed, offset).
+
+    deterministic: fp16 / bf16 on the GPU sum each dq element over key blocks in an fp32 accumulator with
+    atomic adds, whose order varies from call to call (dq may differ in its last bits); with
+    deterministic=True the adds go in key-block order and repeated calls are bitwise identical. dk, dv,
+    fp32 / fp64 and the host backends are deterministic either way.
     """
     key = None
     if _plain(window, softcap, alibi_slopes, dropout_p, seed, offset):
@@ -284,22 +287,34 @@ def _backward(do, q, k, v, o, lse, *, causal, softmax_scale, layout, backend, de
         g = [_bshd(x, layout) for x in works]
         ws = [call.working(n, x) for n, x in (("dout", do), ("q", q), ("k", k), ("v", v), ("o", o))]
         ins = [*(_bshd(x, layout) for x in ws), call.working("lse", lse)]
-        # the D = rowsum(dO * O) workspace, from the caller's allocator (host backends make their own)
-        dsum = call.new((b, h, sq), lse_dtype(dt))[1] if call.on_device else None
+        # the workspace (D, the dQ accumulator), from the caller's allocator (host backends make their own)
+        workspace = _workspace(call, dt, d, h, b, sq, b, sq, deterministic)
         vkw = _working_variants(call, vkw)
         if key is not None and not what and _plan.plannable(call.caller, call.be, do, q, k, v, o,
                                                *(x for x in (dq, dk, dv) if x is not None)):
             general = functools.partial(_backward, causal=causal, softmax_scale=softmax_scale, layout=layout,
                                         backend=backend, deterministic=deterministic)
-            launches = call.be.backward_launches(*ins, *g, dsum, causal=causal, softmax_scale=scale)
-            _plan.BACKWARD[key] = _plan.BackwardPlan(call.caller, launches, do, q, k, v, o, lse, (dq, dk, dv), general)
+            launches = call.be.backward_launches(*ins, *g, workspace, causal=causal, softmax_scale=scale,
+                                                 deterministic=deterministic)
+            _plan.BACKWARD[key] = _plan.BackwardPlan(call.caller, launches, do, q, k, v, o, lse, (dq, dk, dv),
+                                                     workspace.shape, general)
         if b and h and (sq or kb.shape[1]):
             call.be.backward(*ins, causal=causal, softmax_scale=scale, deterministic=deterministic,
-                             dq=g[0], dk=g[1], dv=g[2], dsum=dsum, **vkw)
+                             dq=g[0], dk=g[1], dv=g[2], workspace=workspace, **vkw)
     for x, w in zip((dq, dk, dv), works):
         if x is not None:
             call.write_back(x, w)
     return tuple(a if x is not None else call.result(a) for a, x in zip(arrs, (dq, dk, dv)))
+
+
+def _workspace(call, dt, head_dim, nheads, slabs, rows, entries, max_seqlen_q, deterministic):
+    """The backward's workspace (config.BackwardWorkspace) in the caller's allocator, as a 1-D array of the
+    accumulation dtype; None for host backends (they make their own)."""
+    if not call.on_device:
+        return None
+    nbytes = backward_workspace(dt, head_dim, nheads, slabs, rows, entries, max_seqlen_q, deterministic).nbytes
+    acc = lse_dtype(dt)
+    return call.new((ceil_div(nbytes, ITEMSIZE[acc]),), acc)[1]
 
 
 # --- variable-length batches -------------------------------------------------------------------------------
@@ -404,9 +419,11 @@ def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, 
                             for x, like in ((dq, q), (dk, k), (dv, v))))
         ins = [call.working(n, x) for n, x in (("dout", do), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse),
                                                 ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))]
+        total_q, h, d = q.shape
+        workspace = _workspace(call, dt, d, h, 1, total_q, int(cu_seqlens_q.shape[0]) - 1, max_q, deterministic)
         call.be.varlen_backward(*ins, max_seqlen_q=max_q, max_seqlen_k=max_k, causal=causal,
                                 softmax_scale=scale, deterministic=deterministic, dq=works[0], dk=works[1],
-                                dv=works[2], **_working_variants(call, vkw))
+                                dv=works[2], workspace=workspace, **_working_variants(call, vkw))
     for x, w in zip((dq, dk, dv), works):
         if x is not None:
             call.write_back(x, w)

@@ -143,7 +143,7 @@ _TILES: dict[str, dict[int, tuple[int, int, int]]] = {
     # causal and not) among those that compile without spills for sm_80 and sm_90.
     "flash_fwd": {32: (128, 64, 8), 64: (128, 64, 4), 96: (128, 32, 4), 128: (128, 32, 4),
                   160: (64, 32, 4), 192: (128, 64, 8), 224: (128, 64, 8), 256: (128, 64, 8)},
-    "flash_bwd": {32: (64, 64, 4), 64: (64, 64, 4), 96: (64, 64, 4), 128: (64, 64, 4),
+    "flash_bwd": {32: (128, 128, 8), 64: (128, 128, 8), 96: (64, 128, 8), 128: (64, 128, 8),
                   160: (64, 64, 8), 192: (64, 64, 8), 224: (64, 64, 8), 256: (64, 64, 8)},
     # SIMT (float32 / float64): each row must fit both dtypes (double smem <= 163 KiB on sm_80, no spills)
     "flash_fwd_simt": {32: (64, 32, 4), 64: (64, 32, 4), 96: (32, 32, 4), 128: (32, 32, 4),
@@ -160,7 +160,7 @@ _TILES: dict[str, dict[int, tuple[int, int, int]]] = {
 HEAVY = SOFTCAP | ALIBI | DROPOUT
 _TILES_HEAVY: dict[str, dict[int, tuple[int, int, int]]] = {
     "flash_fwd": {128: (128, 32, 8), 160: (128, 32, 8), 256: (128, 32, 8)},
-    "flash_bwd": {96: (64, 64, 8), 128: (64, 64, 8)},
+    "flash_bwd": {32: (64, 64, 4), 64: (64, 64, 4), 96: (64, 64, 8), 128: (64, 64, 8)},
     "flash_bwd_dkdv_simt": {64: (32, 32, 4)},
 }
 
@@ -181,10 +181,12 @@ def smem_bytes(cfg: KernelConfig) -> int:
         return (bm + 2 * bn) * row * e
     if cfg.kernel in ("flash_bwd_preprocess", "flash_bwd_postprocess"):
         return 0
-    if cfg.kernel == "flash_bwd":  # K, V tiles; Q, dO tiles; dS^T tile (and P^T when warps share keys); LSE, D rows
+    if cfg.kernel == "flash_bwd":  # K, V tiles; dS^T tile (and P^T when warps share keys); per stage Q, dO, LSE, D
         warps_sharing_keys = cfg.warps // (bn // 16)  # kWM in flash_bwd.cu
-        p_tiles = (2 if warps_sharing_keys > 1 else 1) * bn * (bm + pad) * e
-        return (2 * bn + 2 * bm) * row * e + p_tiles + 2 * bm * 4
+        fixed = 2 * bn * row * e + (2 if warps_sharing_keys > 1 else 1) * bn * (bm + pad) * e
+        stage = 2 * bm * row * e + 2 * bm * 4
+        stages = 2 if fixed + 2 * stage <= SMEM_LIMIT[80] else 1  # kStages: two buffers where sm_80 fits them
+        return fixed + stages * stage
     if cfg.kernel == "flash_fwd_simt":  # Q, K, V tiles (rows padded by 16 bytes); P tile (rows padded by 8)
         srow = d + 16 // e
         return (bm * srow + 2 * bn * srow + bm * (bn + 8)) * e

@@ -76,6 +76,7 @@ class _Options:
     seed: int
     offset: int
     backend: str
+    deterministic: bool = False  # the backward's (cuflash.flash_attn_backward)
     max_seqlen: tuple[int, int] | None = None  # varlen: (max_seqlen_q, max_seqlen_k)
 
     def kwargs(self, on_device: bool) -> dict:
@@ -91,13 +92,14 @@ class _Options:
         return kw
 
 
-def _options(head_dim, causal, softmax_scale, window, softcap, dropout_p, seed, offset, backend,
+def _options(head_dim, causal, softmax_scale, window, softcap, dropout_p, seed, offset, backend, deterministic,
              max_seqlen=None) -> _Options:
     _checks.check_backend(backend)
     scale = None if softmax_scale is None else _checks.check_softmax_scale(softmax_scale, head_dim)
     return _Options(_checks.check_flag("causal", causal), scale, _checks.check_window(window),
                     _checks.check_softcap(softcap), _checks.check_dropout_p(dropout_p), _checks.check_seed(seed),
-                    _checks.check_offset(offset), backend, max_seqlen)
+                    _checks.check_offset(offset), backend, _checks.check_flag("deterministic", deterministic),
+                    max_seqlen)
 
 
 def _check_arrays(**arrays) -> None:
@@ -135,25 +137,25 @@ def _host_values(cu):
 
 
 def flash_attn(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None,
-               dropout_p=0.0, seed=0, offset=0, backend="auto"):
+               dropout_p=0.0, seed=0, offset=0, backend="auto", deterministic=False):
     """Exact attention o = softmax(softmax_scale * q k^T [+ mask]) v, differentiable in q, k, v.
 
     q (batch, seqlen_q, nheads, head_dim), k, v (batch, seqlen_k, nheads_k, head_dim); o like q. The
-    arguments and their semantics are cuflash.flash_attn's; every one but q, k, v and alibi_slopes is
-    static under jax.jit. alibi_slopes get no gradient.
+    arguments and their semantics are cuflash.flash_attn's (deterministic: cuflash.flash_attn_backward's);
+    every one but q, k, v and alibi_slopes is static under jax.jit. alibi_slopes get no gradient.
     """
     # cuflash's own checks, at trace time: a wrong shape or variant fails here, not inside XLA
     _check_arrays(q=q, k=k, v=v, alibi_slopes=alibi_slopes)
     api._validate_qkv(q, k, v, "bshd")
     b, _, h, d = q.shape
-    opts = _options(d, causal, softmax_scale, window, softcap, dropout_p, seed, offset, backend)
+    opts = _options(d, causal, softmax_scale, window, softcap, dropout_p, seed, offset, backend, deterministic)
     api._variants(opts.causal, window, softcap, alibi_slopes, dropout_p, seed, offset, b, h)
     return _attention(opts, *_as_jax(q, k, v, alibi_slopes), None, None)
 
 
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                       softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=0,
-                      offset=0, backend="auto"):
+                      offset=0, backend="auto", deterministic=False):
     """Attention over packed sequences of different lengths, differentiable in q, k, v.
 
     q (total_q, nheads, head_dim), k, v (total_k, nheads_k, head_dim), cu_seqlens_q / cu_seqlens_k int32
@@ -178,7 +180,7 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     max_q = _checks.check_max_seqlen("max_seqlen_q", max_seqlen_q, longest.get("cu_seqlens_q"))
     max_k = _checks.check_max_seqlen("max_seqlen_k", max_seqlen_k, longest.get("cu_seqlens_k"))
     opts = _options(q.shape[-1], causal, softmax_scale, window, softcap, dropout_p, seed, offset, backend,
-                    (max_q, max_k))
+                    deterministic, (max_q, max_k))
     api._variants(opts.causal, window, softcap, alibi_slopes, dropout_p, seed, offset, batch, q.shape[1])
     return _attention(opts, *_as_jax(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k))
 
@@ -239,7 +241,7 @@ def _call_forward(opts, q, k, v, alibi, cu_q, cu_k, *, on_device, out=None):
 
 
 def _call_backward(opts, do, q, k, v, o, lse, alibi, cu_q, cu_k, *, on_device, grads=(None, None, None)):
-    kw = opts.kwargs(on_device)
+    kw = {**opts.kwargs(on_device), "deterministic": opts.deterministic}
     dq, dk, dv = grads
     if cu_q is None:
         return api.flash_attn_backward(do, q, k, v, o, lse, dq=dq, dk=dk, dv=dv, alibi_slopes=alibi, **kw)

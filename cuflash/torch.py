@@ -47,7 +47,8 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 @torch.library.custom_op("cuflash::forward", mutates_args=())
 def _forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float], window_left: int,
              window_right: int, softcap: float, alibi_slopes: Optional[Tensor], dropout_p: float, seed: int,
-             offset: int, backend: str) -> tuple[Tensor, Tensor]:
+             offset: int, backend: str, deterministic: bool) -> tuple[Tensor, Tensor]:
+    del deterministic  # the backward's (carried through ctx)
     return api.flash_attn_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, backend=backend,
                                   **_variants(window_left, window_right, softcap, alibi_slopes, dropout_p, seed,
                                               offset))
@@ -55,7 +56,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optio
 
 @_forward.register_fake
 def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, offset,
-      backend):
+      backend, deterministic):
     b, sq, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=_lse_dtype(q))
 
@@ -64,16 +65,16 @@ def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_
 def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool,
               softmax_scale: Optional[float], window_left: int, window_right: int, softcap: float,
               alibi_slopes: Optional[Tensor], dropout_p: float, seed: int, offset: int,
-              backend: str) -> tuple[Tensor, Tensor, Tensor]:
+              backend: str, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     return api.flash_attn_backward(dout, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
-                                   backend=backend,
+                                   backend=backend, deterministic=deterministic,
                                    **_variants(window_left, window_right, softcap, alibi_slopes, dropout_p, seed,
                                                offset))
 
 
 @_backward.register_fake
 def _(dout, q, k, v, o, lse, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
-      seed, offset, backend):
+      seed, offset, backend, deterministic):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -82,16 +83,16 @@ def _setup_context(ctx, inputs, output):
     o, lse = output
     alibi_slopes = args[5]
     ctx.save_for_backward(q, k, v, o, lse, alibi_slopes)
-    ctx.args = args[:5] + args[6:]  # causal .. softcap, dropout_p .. backend
+    ctx.args = args[:5] + args[6:]  # causal .. softcap, dropout_p .. deterministic
     ctx.mark_non_differentiable(lse)  # no gradient flows back through lse: an error, never a silent zero
 
 
 def _grads(ctx, dout, dlse):
     q, k, v, o, lse, alibi_slopes = ctx.saved_tensors
-    causal, scale, wl, wr, softcap, dropout_p, seed, offset, backend = ctx.args
+    causal, scale, wl, wr, softcap, dropout_p, seed, offset, backend, deterministic = ctx.args
     dq, dk, dv = _backward(dout, q, k, v, o, lse, causal, scale, wl, wr, softcap, alibi_slopes, dropout_p, seed,
-                           offset, backend)
-    return dq, dk, dv, *([None] * 10)
+                           offset, backend, deterministic)
+    return dq, dk, dv, *([None] * 11)
 
 
 _forward.register_autograd(_grads, setup_context=_setup_context)
@@ -104,7 +105,8 @@ _forward.register_autograd(_grads, setup_context=_setup_context)
 def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                     max_seqlen_k: int, causal: bool, softmax_scale: Optional[float], window_left: int,
                     window_right: int, softcap: float, alibi_slopes: Optional[Tensor], dropout_p: float, seed: int,
-                    offset: int, backend: str) -> tuple[Tensor, Tensor]:
+                    offset: int, backend: str, deterministic: bool) -> tuple[Tensor, Tensor]:
+    del deterministic  # the backward's (carried through ctx)
     return api.flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                          causal=causal, softmax_scale=softmax_scale, backend=backend,
                                          **_variants(window_left, window_right, softcap, alibi_slopes, dropout_p,
@@ -113,7 +115,7 @@ def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_se
 
 @_varlen_forward.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
-      window_right, softcap, alibi_slopes, dropout_p, seed, offset, backend):
+      window_right, softcap, alibi_slopes, dropout_p, seed, offset, backend, deterministic):
     total, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((h, total), dtype=_lse_dtype(q))
 
@@ -123,16 +125,17 @@ def _varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, l
                      cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                      softmax_scale: Optional[float], window_left: int, window_right: int, softcap: float,
                      alibi_slopes: Optional[Tensor], dropout_p: float, seed: int, offset: int,
-                     backend: str) -> tuple[Tensor, Tensor, Tensor]:
+                     backend: str, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     return api.flash_attn_varlen_backward(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                           max_seqlen_k, causal=causal, softmax_scale=softmax_scale, backend=backend,
+                                          deterministic=deterministic,
                                           **_variants(window_left, window_right, softcap, alibi_slopes, dropout_p,
                                                       seed, offset))
 
 
 @_varlen_backward.register_fake
 def _(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-      window_left, window_right, softcap, alibi_slopes, dropout_p, seed, offset, backend):
+      window_left, window_right, softcap, alibi_slopes, dropout_p, seed, offset, backend, deterministic):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -141,16 +144,16 @@ def _varlen_setup_context(ctx, inputs, output):
     o, lse = output
     alibi_slopes = args[7]
     ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k, alibi_slopes)
-    ctx.args = args[:7] + args[8:]  # max_seqlen_q .. softcap, dropout_p .. backend
+    ctx.args = args[:7] + args[8:]  # max_seqlen_q .. softcap, dropout_p .. deterministic
     ctx.mark_non_differentiable(lse)
 
 
 def _varlen_grads(ctx, dout, dlse):
     q, k, v, o, lse, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
-    max_q, max_k, causal, scale, wl, wr, softcap, dropout_p, seed, offset, backend = ctx.args
+    max_q, max_k, causal, scale, wl, wr, softcap, dropout_p, seed, offset, backend, deterministic = ctx.args
     dq, dk, dv = _varlen_backward(dout, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap,
-                                  alibi_slopes, dropout_p, seed, offset, backend)
-    return dq, dk, dv, *([None] * 14)
+                                  alibi_slopes, dropout_p, seed, offset, backend, deterministic)
+    return dq, dk, dv, *([None] * 15)
 
 
 _varlen_forward.register_autograd(_varlen_grads, setup_context=_varlen_setup_context)
@@ -171,30 +174,32 @@ def _seed(dropout_p, seed) -> int:
 
 
 def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None,
-                    dropout_p=0.0, seed=None, offset=0, return_lse=False, backend="auto"):
+                    dropout_p=0.0, seed=None, offset=0, return_lse=False, backend="auto", deterministic=False):
     """cuflash.flash_attn as a differentiable torch function: q (batch, seqlen_q, nheads, head_dim),
     k, v (batch, seqlen_k, nheads_k, head_dim); returns o like q, or (o, lse) with return_lse=True
     (lse (batch, nheads, seqlen_q), float32 (float64 for float64 inputs), not differentiable).
 
     The variant arguments are cuflash.flash_attn's, except that seed=None with dropout_p > 0 draws a
     seed from torch's generator (0 <= seed < 2**63 here: the op's int is 64-bit signed). Gradients
-    flow to q, k and v.
+    flow to q, k and v; deterministic=True makes the backward's dq bitwise reproducible
+    (cuflash.flash_attn_backward).
     """
     left, right = _checks.check_window(window)
     o, lse = _forward(q, k, v, causal, softmax_scale, left, right, softcap, alibi_slopes, dropout_p,
-                      _seed(dropout_p, seed), offset, backend)
+                      _seed(dropout_p, seed), offset, backend, _checks.check_flag("deterministic", deterministic))
     return (o, lse) if return_lse else o
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                            softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                           seed=None, offset=0, return_lse=False, backend="auto"):
+                           seed=None, offset=0, return_lse=False, backend="auto", deterministic=False):
     """cuflash.flash_attn_varlen as a differentiable torch function: packed q (total_q, nheads,
     head_dim), k, v (total_k, nheads_k, head_dim), int32 cu_seqlens; returns o, or (o, lse) with lse
     (nheads, total_q). Keywords as flash_attn_func."""
     left, right = _checks.check_window(window)
     o, lse = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                             left, right, softcap, alibi_slopes, dropout_p, _seed(dropout_p, seed), offset, backend)
+                             left, right, softcap, alibi_slopes, dropout_p, _seed(dropout_p, seed), offset, backend,
+                             _checks.check_flag("deterministic", deterministic))
     return (o, lse) if return_lse else o
 
 

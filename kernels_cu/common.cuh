@@ -41,6 +41,9 @@ __device__ __forceinline__ unsigned smem_u32(const void* ptr) {
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// Dynamic shared memory one block may take on every target (sm_80's 163 KiB; config.SMEM_LIMIT[80]).
+constexpr unsigned kSmemPortable = 166912;
+
 __device__ __forceinline__ float fast_exp2(float x) { return exp2f(x); }
 __device__ __forceinline__ double fast_exp2(double x) { return exp2(x); }
 __device__ __forceinline__ float log_acc(float x) { return logf(x); }

@@ -20,6 +20,14 @@ __device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, bool 
                  : "memory");
 }
 
+// cp.async of 4 bytes (through L1: .ca, the only form for 4); pred == false writes 4 zero bytes, reads nothing.
+__device__ __forceinline__ void cp_async_4(unsigned dst, const void* src, bool pred) {
+    const int src_size = pred ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(__cvta_generic_to_global(src)),
+                 "r"(src_size)
+                 : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
 // Wait until at most N committed groups of this thread are still in flight.

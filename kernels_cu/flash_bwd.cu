@@ -5,8 +5,8 @@
 // and loops over the group's query heads and their query blocks, recomputing S and P = exp2(S * scale_log2
 // - LSE * log2(e)) from Q, K and the forward's LSE once, accumulating dK and dV in fp32 registers, and
 // adding dQ's share dS K into an fp32 dQ accumulator in global memory (the workspace, config.BackwardWorkspace):
-// atomic adds as they come, or (kDeterministic) in increasing key-block order, each dQ tile's turn kept
-// by a semaphore, so that repeated calls are bitwise identical. Preprocess zeroes the accumulator and the
+// atomic adds as they come, or (kDeterministic) in a fixed order of key blocks (last to first), each dQ
+// tile's turn kept by a semaphore, so that repeated calls are bitwise identical. Preprocess zeroes the accumulator and the
 // semaphores; postprocess converts dQ_accum * softmax_scale to the input dtype. A row with LSE = -inf (it
 // saw no key) takes the offset +inf so that its P is exactly 0, never NaN.
 //
@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_preprocess(const __gri
 
 // dK, dV and dQ's share of one key block of kBlockN keys. Grid (nheads_k, batch, ceil(seqlen_k / kBlockN)):
 // key blocks slowest, so that the blocks resident at once are the first key blocks of every head (causal:
-// the longest first), and a deterministic block waits only on key blocks launched before it.
+// the longest first; kDeterministic: the last first, see n_block).
 //
 // Warps form a kWN x kWM grid: kWN = kBlockN / 16 warps along the keys (16 key rows each) and kWM warps
 // sharing those rows. S, P, dP, dS, dK and dV are computed transposed so that keys are the mma's M dimension:
@@ -98,11 +98,13 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_preprocess(const __gri
 // warp 16-row groups of queries x a slice of the head dim, 32 (or 16) dims at a time in fp32 registers,
 // then added into the accumulator.
 //
-// Shared memory (16-bit elements, pitch kHeadDim + 8; sP / sdS pitch kBlockM + 8; then floats):
-//   sK [kBlockN], sV [kBlockN], sQ [kBlockM], sdO [kBlockM], sdS [kBlockN], (kWM > 1: sP [kBlockN]),
-//   sLse [kBlockM] (log2 offsets), sD [kBlockM]
-//   config.smem_bytes: (2 * block_n + 2 * block_m) * (head_dim + 8) * 2
-//                      + (kWM > 1 ? 2 : 1) * block_n * (block_m + 8) * 2 + 2 * block_m * 4
+// Shared memory (16-bit elements, pitch kHeadDim + 8; sP / sdS pitch kBlockM + 8; then floats), Q, dO,
+// LSE and D in kStages buffers (2: the next query block loads while this one is computed; 1 where two do
+// not fit sm_80's 163 KiB):
+//   sK [kBlockN], sV [kBlockN], sQ [kStages][kBlockM], sdO [kStages][kBlockM], sdS [kBlockN],
+//   (kWM > 1: sP [kBlockN]), sLse [kStages][kBlockM], sD [kStages][kBlockM]
+//   config.smem_bytes: 2 * block_n * (head_dim + 8) * 2 + (kWM > 1 ? 2 : 1) * block_n * (block_m + 8) * 2
+//                      + stages * (2 * block_m * (head_dim + 8) * 2 + 2 * block_m * 4)
 //
 // Launch bounds: minBlocks 0 leaves ptxas its occupancy heuristic, except at d <= 64 with a mask, where
 // the heuristic trims to an occupancy step (128 or 168 registers) and spills (the compile gate, sm_80
@@ -123,12 +125,18 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
     constexpr int kNTilesD = kDCols / 8;
     constexpr bool kPInSmem = kWM > 1;
     constexpr int kPPitch = kBlockM + 8;
-    constexpr unsigned kSmemBytes = (2 * kBlockN + 2 * kBlockM) * kPitch * sizeof(T) +
-                                    (kPInSmem ? 2 : 1) * kBlockN * kPPitch * sizeof(T) + 2 * kBlockM * sizeof(float);
+    // Q, dO, LSE and D in two buffers where that fits every target's shared memory (sm_80's), else one
+    constexpr unsigned kSmemFixed = 2 * kBlockN * kPitch * sizeof(T) + (kPInSmem ? 2 : 1) * kBlockN * kPPitch * sizeof(T);
+    constexpr unsigned kSmemPerStage = 2 * kBlockM * kPitch * sizeof(T) + 2 * kBlockM * sizeof(float);
+    constexpr int kStages = kSmemFixed + 2 * kSmemPerStage <= kSmemPortable ? 2 : 1;
+    constexpr unsigned kSmemBytes = kSmemFixed + kStages * kSmemPerStage;
     constexpr bool kIsDropout = (kVariant & kDropout) != 0;
     constexpr bool kIsDeterministic = (kVariant & kDeterministic) != 0;
-    // dQ's share: kDqWM warps along the query rows (kDqMTiles 16-row groups each) x kDqWD along the head dim
-    constexpr int kDqWM = kNWarps < kBlockM / 16 ? kNWarps : kBlockM / 16;
+    // dQ's share: kDqWM warps along the query rows (kDqMTiles 16-row groups each) x kDqWD along the head dim;
+    // 32 rows a warp where the head dim still splits in 16s (it reads less of sK than 16 rows and twice the dims)
+    constexpr int kDqWM32 = kNWarps < kBlockM / 32 ? kNWarps : kBlockM / 32;
+    constexpr int kDqWM16 = kNWarps < kBlockM / 16 ? kNWarps : kBlockM / 16;
+    constexpr int kDqWM = kDqWM32 >= 1 && (kHeadDim / (kNWarps / kDqWM32)) % 16 == 0 ? kDqWM32 : kDqWM16;
     constexpr int kDqWD = kNWarps / kDqWM;
     constexpr int kDqMTiles = kBlockM / 16 / kDqWM;
     constexpr int kDqDCols = kHeadDim / kDqWD;
@@ -145,14 +153,18 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
     T* sK = reinterpret_cast<T*>(smem);
     T* sV = sK + kBlockN * kPitch;
     T* sQ = sV + kBlockN * kPitch;
-    T* sdO = sQ + kBlockM * kPitch;
-    T* sdS = sdO + kBlockM * kPitch;
+    T* sdO = sQ + kStages * kBlockM * kPitch;
+    T* sdS = sdO + kStages * kBlockM * kPitch;
     T* sP = sdS + kBlockN * kPPitch;
     float* sLse = reinterpret_cast<float*>(sP + (kPInSmem ? kBlockN * kPPitch : 0));
-    float* sD = sLse + kBlockM;
+    float* sD = sLse + kStages * kBlockM;
 
     // [2] Block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
-    const int head_k = blockIdx.x, batch = blockIdx.y, n_block = blockIdx.z;
+    // kDeterministic: key blocks add into each dQ tile last to first, and launch in that order too, so that
+    // a block waits only on blocks launched before it; causal: a key block's first query block is then
+    // the one where it comes first (the diagonal), so it starts without waiting
+    const int head_k = blockIdx.x, batch = blockIdx.y;
+    const int n_block = kIsDeterministic ? gridDim.z - 1 - blockIdx.z : blockIdx.z;
     const SeqInfo<(kVariant & kVarlen) != 0> seq(p.fwd, batch);
     const int key_begin = n_block * kBlockN;
     if (key_begin >= seq.seqlen_k) return;  // varlen: a shorter sequence than the grid's
@@ -199,37 +211,68 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
     for (int nd = 0; nd < kNTilesD; ++nd)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_dk[nd][e] = acc_dv[nd][e] = 0.f;
+    int* pending = nullptr;  // kDeterministic: the semaphore of the last dQ tile added into, and its turn
+    int pending_turn = 0;
 
-    for (int hq = 0; hq < group; ++hq) {
-        const int head = head_k * group + hq;
-        const T* q_head = static_cast<const T*>(p.fwd.q) +
-                          seq.q_offset(batch, p.fwd.q_batch_stride, p.fwd.q_row_stride) + head * p.fwd.q_head_stride;
-        const T* do_head = static_cast<const T*>(p.dout) + seq.q_offset(batch, p.do_batch_stride, p.do_row_stride) +
-                           head * p.do_head_stride;
-        const float* lse_head = static_cast<const float*>(p.fwd.lse) +
-                                seq.row_offset(batch, head, p.fwd.lse_batch_stride, p.fwd.lse_head_stride);
-        const float* dsum_head =
-            static_cast<const float*>(p.dsum) + seq.row_offset(batch, head, p.dsum_batch_stride, p.dsum_head_stride);
+    // The (query head, query block) pairs this key block visits, in order: it = hq * n_m + (m_block - first).
+    // With two buffers, pair it + 1's Q, dO tiles and LSE, D rows load into one while pair it is computed.
+    const int n_m = max(m_block_end - m_block_first, 0), n_it = group * n_m;
+    auto load_block = [&](int it, int buf) {
+        const int head = head_k * group + it / n_m, row_begin = (m_block_first + it % n_m) * kBlockM;
+        const int tid_m = recompute(tid);  // copy offsets and predicates per query block, not loop-carried
+        // [3] Load the Q, dO tiles and LSE, D rows of one query block
+        const T* q = static_cast<const T*>(p.fwd.q) + seq.q_offset(batch, p.fwd.q_batch_stride, p.fwd.q_row_stride) +
+                     head * p.fwd.q_head_stride + row_begin * p.fwd.q_row_stride;
+        const T* dout = static_cast<const T*>(p.dout) + seq.q_offset(batch, p.do_batch_stride, p.do_row_stride) +
+                        head * p.do_head_stride + row_begin * p.do_row_stride;
+        cp_async_tile<kBlockM, kHeadDim, kPitch, kNThreads>(sQ + buf * kBlockM * kPitch, q, p.fwd.q_row_stride,
+                                                           seqlen_q - row_begin, head_dim, tid_m);
+        cp_async_tile<kBlockM, kHeadDim, kPitch, kNThreads>(sdO + buf * kBlockM * kPitch, dout, p.do_row_stride,
+                                                           seqlen_q - row_begin, head_dim, tid_m);
+        // raw LSE and D, 0 past seqlen_q (those rows' Q and dO are 0 too, so they add nothing anywhere)
+        const float* lse = static_cast<const float*>(p.fwd.lse) +
+                           seq.row_offset(batch, head, p.fwd.lse_batch_stride, p.fwd.lse_head_stride) + row_begin;
+        const float* dsum = static_cast<const float*>(p.dsum) +
+                            seq.row_offset(batch, head, p.dsum_batch_stride, p.dsum_head_stride) + row_begin;
+        for (int i = tid_m; i < kBlockM; i += kNThreads) {
+            const bool valid = row_begin + i < seqlen_q;
+            cp_async_4(smem_u32(sLse + buf * kBlockM + i), valid ? lse + i : lse, valid);
+            cp_async_4(smem_u32(sD + buf * kBlockM + i), valid ? dsum + i : dsum, valid);
+        }
+        cp_async_commit();
+    };
+    if (kStages == 2 && n_it > 0) load_block(0, 0);
+
+    for (int it = 0; it < n_it; ++it) {
+        const int buf = kStages == 2 ? it & 1 : 0;
+        if (kStages == 1) {
+            load_block(it, 0);
+            cp_async_wait<0>();
+        } else if (it + 1 < n_it) {
+            load_block(it + 1, buf ^ 1);
+            cp_async_wait<1>();  // this pair's tiles (and K, V) have landed; the next pair's are in flight
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const int head = head_k * group + it / n_m, m_block = m_block_first + it % n_m;
+        const int row_begin = m_block * kBlockM;
         const Mod mod(p.fwd, batch, head, mask.shift);
         const float scale_log2 = mod.score_log2(p.fwd);
-        float* dq_accum = dq_accum_rows(p, seq, batch, head);
-
-        for (int m_block = m_block_first; m_block < m_block_end; ++m_block) {
-            const int row_begin = m_block * kBlockM;
-            const int tid_m = recompute(tid);  // copy offsets and predicates per query block, not loop-carried
-            // [3] Load the Q, dO tiles and LSE, D rows of one query block
-            cp_async_tile<kBlockM, kHeadDim, kPitch, kNThreads>(sQ, q_head + row_begin * p.fwd.q_row_stride,
-                                                               p.fwd.q_row_stride, seqlen_q - row_begin, head_dim, tid_m);
-            cp_async_tile<kBlockM, kHeadDim, kPitch, kNThreads>(sdO, do_head + row_begin * p.do_row_stride,
-                                                               p.do_row_stride, seqlen_q - row_begin, head_dim, tid_m);
-            cp_async_commit();
-            for (int i = tid_m; i < kBlockM; i += kNThreads) {
-                const int row = row_begin + i;
-                sLse[i] = row < seqlen_q ? lse_to_log2_offset(lse_head[row]) : -neg_inf<float>();
-                sD[i] = row < seqlen_q ? dsum_head[row] : 0.f;
-            }
-            cp_async_wait<0>();
-            __syncthreads();
+        const unsigned qo_buf = buf * kBlockM * kPitch * sizeof(T);  // bytes: this pair's Q, dO buffer
+        const float* lse_rows = sLse + buf * kBlockM;
+        const float* d_rows = sD + buf * kBlockM;
+        // kDeterministic: this key block's turn at the dQ tile (the key blocks after it add first); the
+        // semaphore is read now, its value waited for before the adds, so the read's latency is hidden
+        int turn = 0, seen = 0;
+        int* semaphore = nullptr;
+        if constexpr (kIsDeterministic) {
+            int n_first, n_end;
+            mask.template n_block_range<kBlockM, kBlockN>(m_block, n_first, n_end);
+            turn = n_end - 1 - n_block;
+            semaphore = dq_semaphores(p, batch, head) + m_block;
+            if (tid == 0) seen = load_acquire(semaphore);
+        }
 
             // [4] Recompute S = Q K^T, score modifiers, mask, P = exp2(S * scale_log2 - LSE * log2(e))
             // Computed as S^T = K Q^T: acc_s[ni][2h + e] is key key_row0 + g + 8h,
@@ -246,7 +289,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
 #pragma unroll
                 for (int np = 0; np < kNTilesQ / 2; ++np) {
                     unsigned b[4];  // {b0,b1} of queries 16*np + g, then of 16*np + 8 + g (k = dims)
-                    ldmatrix_x4(b, q_b + (np * 16 * kPitch + ks * 16) * sizeof(T));
+                    ldmatrix_x4(b, q_b + qo_buf + (np * 16 * kPitch + ks * 16) * sizeof(T));
                     mma_16816<T>(acc_s[2 * np], a, b[0], b[1]);
                     mma_16816<T>(acc_s[2 * np + 1], a, b[2], b[3]);
                 }
@@ -275,7 +318,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
             for (int ni = 0; ni < kNTilesQ; ++ni)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const float lse_off = sLse[q_col0 + 8 * ni + 2 * t + (e & 1)];
+                    const float lse_off = lse_to_log2_offset(lse_rows[q_col0 + 8 * ni + 2 * t + (e & 1)]);
                     acc_s[ni][e] = exp2f(acc_s[ni][e] * scale_log2 - lse_off);
                 }
             if constexpr (kIsDropout) {
@@ -302,7 +345,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
 #pragma unroll
                 for (int np = 0; np < kNTilesD / 2; ++np) {
                     unsigned b[4];  // {b0,b1} of dims d_col0 + 16*np + g, then + 8 (k = queries), via .trans
-                    ldmatrix_x4_trans(b, do_bt + (kq * 16 * kPitch + np * 16) * sizeof(T));
+                    ldmatrix_x4_trans(b, do_bt + qo_buf + (kq * 16 * kPitch + np * 16) * sizeof(T));
                     mma_16816<T>(acc_dv[2 * np], a, b[0], b[1]);
                     mma_16816<T>(acc_dv[2 * np + 1], a, b[2], b[3]);
                 }
@@ -322,7 +365,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
 #pragma unroll
                 for (int np = 0; np < kNTilesQ / 2; ++np) {
                     unsigned b[4];  // dO rows as B columns, as for Q above
-                    ldmatrix_x4(b, do_b + (np * 16 * kPitch + ks * 16) * sizeof(T));
+                    ldmatrix_x4(b, do_b + qo_buf + (np * 16 * kPitch + ks * 16) * sizeof(T));
                     mma_16816<T>(acc_dp[2 * np], a, b[0], b[1]);
                     mma_16816<T>(acc_dp[2 * np + 1], a, b[2], b[3]);
                 }
@@ -336,7 +379,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
             for (int ni = 0; ni < kNTilesQ; ++ni)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const float d = sD[q_col0 + 8 * ni + 2 * t + (e & 1)];
+                    const float d = d_rows[q_col0 + 8 * ni + 2 * t + (e & 1)];
                     float ds;
                     if constexpr (kIsDropout) {
                         ds = acc_s[ni][e] >= 0.f ? acc_s[ni][e] * (acc_dp[ni][e] * static_cast<float>(p.fwd.dropout_scale) - d)
@@ -348,20 +391,21 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
                     acc_dp[ni][e] = ds;
                 }
             acc_to_smem<T, kNTilesQ, kPPitch>(sdS, acc_dp, key_row0, q_col0, lane, 1.f);
-            // kDeterministic: this key block's turn at the dQ tile, once the key blocks before it have added
-            int* semaphore = nullptr;
-            int turn = 0;
+            // kDeterministic: hand the previous tile on (an iteration late, so that the fence rarely waits for
+            // adds still in flight), then wait for this tile's turn
             if constexpr (kIsDeterministic) {
-                int n_first, n_end;
-                mask.template n_block_range<kBlockM, kBlockN>(m_block, n_first, n_end);
-                semaphore = dq_semaphores(p, batch, head) + m_block;
-                turn = n_block - n_first;
+                if (pending != nullptr) {
+                    __threadfence();  // this thread's adds into the previous tile land before its next turn
+                    __syncthreads();
+                    if (tid == 0) store_release(pending, pending_turn + 1);
+                }
+                pending = semaphore;
+                pending_turn = turn;
                 if (tid == 0) {
-                    while (load_acquire(semaphore) != turn) {
-                    }
+                    while (seen != turn) seen = load_acquire(semaphore);
                 }
             }
-            __syncthreads();  // sdS (and sP, the semaphore) for every warp
+            __syncthreads();  // sdS (and sP, the dQ tile's turn) for every warp
 
             // [8] dK += dS^T Q
             // A = dS^T (keys x queries); B = Q (k = queries, n = dims).
@@ -376,7 +420,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
 #pragma unroll
                 for (int np = 0; np < kNTilesD / 2; ++np) {
                     unsigned b[4];
-                    ldmatrix_x4_trans(b, q_bt + (kq * 16 * kPitch + np * 16) * sizeof(T));
+                    ldmatrix_x4_trans(b, q_bt + qo_buf + (kq * 16 * kPitch + np * 16) * sizeof(T));
                     mma_16816<T>(acc_dk[2 * np], a, b[0], b[1]);
                     mma_16816<T>(acc_dk[2 * np + 1], a, b[2], b[3]);
                 }
@@ -385,8 +429,9 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
             // [9] dQ_accum += dS K: fp32 atomic adds, in key-block order when deterministic
             // A = dS (queries x keys, k-slice ks = keys 16*ks..+15); B = K (k = keys, n = dims).
             {
-                float* dq_rows = dq_accum + (row_begin + dq_row0 + g) * p.dq_accum_row_stride + dq_col0 + 2 * t;
-#pragma unroll
+                float* dq_rows = dq_accum_rows(p, seq, batch, head) + (row_begin + dq_row0 + g) * p.dq_accum_row_stride +
+                                 dq_col0 + 2 * t;
+#pragma unroll 1  // one chunk's registers at a time (unrolled, d = 224 with every variant spills)
                 for (int c = 0; c < kDqDCols; c += kDqChunk) {
                     float acc_dq[kDqMTiles][kDqChunk / 8][4];
 #pragma unroll
@@ -425,10 +470,12 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
                         }
                 }
             }
-            if constexpr (kIsDeterministic) __threadfence();  // the adds land before the next turn is given
-            __syncthreads();  // every warp is done with sQ, sdO, sP, sdS, sLse, sD before the next block
-            if (kIsDeterministic && tid == 0) store_release(semaphore, turn + 1);
-        }
+            __syncthreads();  // every warp is done with this buffer and sP, sdS before they are written again
+    }
+    if (kIsDeterministic && pending != nullptr) {
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) store_release(pending, pending_turn + 1);
     }
 
     // [10] Store dK * softmax_scale and dV

@@ -170,9 +170,12 @@ class GpuKit:
         del chunk
 
     def output_bytes(self, q, k, lse_itemsize: int) -> int:
-        """Bytes of everything one forward + backward allocates (o, lse, dq, dk, dv, dsum)."""
-        b, h, sq = q.shape[0], q.shape[2], q.shape[1]
-        return 2 * q.size * q.itemsize + 2 * k.size * k.itemsize + 2 * b * h * sq * lse_itemsize
+        """Bytes of everything one forward + backward allocates (o, lse, dq, dk, dv, the workspace)."""
+        from cuflash.config import backward_workspace
+
+        b, sq, h, d = q.shape
+        workspace = backward_workspace(q.dtype.name, d, h, b, sq, b, sq, True).nbytes
+        return 2 * q.size * q.itemsize + 2 * k.size * k.itemsize + b * h * sq * lse_itemsize + workspace
 
     # --- one forward + backward through the public API -----------------------------------------
 

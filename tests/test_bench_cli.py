@@ -119,6 +119,7 @@ def test_suite_params_defaults_match_the_issue():
     assert p["seqlens"] == [512, 1024, 2048, 4096, 8192, 16384] and p["modes"] == ["fwd", "bwd", "fwd_bwd"]
     h = suite_params("headdim", s, "gpu")
     assert h["seqlen"] == 8192 and h["batch"] == 1 and h["head_dims"] == [32, 64, 128, 256]
+    assert h["modes"] == ["fwd", "bwd", "fwd_bwd"]
     assert all(d * n == 1024 for d, n in zip(h["head_dims"], h["nheads"]))
     assert suite_params("energy", s, "gpu")["seqlen"] == 16384
     assert suite_params("accuracy", s, "gpu")["seqlens"] == [512, 1024, 2048, 4096, 8192]
@@ -150,10 +151,10 @@ def test_launch_params():
     cases = suite_cases("launch", p)
     assert [c.label for c in cases][0] == "B=1 H=8 N=128 d=64" and cell_count("launch", p, 6) == 6
     cfgs = kernel_configs(Settings(suites=("launch",), backends=()), ["launch"])
-    # flash_bwd_preprocess takes no head dim (head_dim 0): one config per dtype
-    assert {(c.dtype, c.head_dim) for c in cfgs if c.kernel != "flash_bwd_preprocess"} == {("bfloat16", 64),
+    # flash_bwd_preprocess and flash_bwd_postprocess take no head dim (head_dim 0): one config per dtype
+    assert {(c.dtype, c.head_dim) for c in cfgs if c.head_dim} == {("bfloat16", 64),
                                                                                            ("bfloat16", 128)}
-    assert {c.kernel for c in cfgs} == {"flash_fwd", "flash_bwd_preprocess", "flash_bwd_dkdv", "flash_bwd_dq"}
+    assert {c.kernel for c in cfgs} == {"flash_fwd", "flash_bwd_preprocess", "flash_bwd", "flash_bwd_postprocess"}
     assert kernel_configs(Settings(suites=("seqlen",), backends=("conventional",)), ["seqlen"]) == []
     acc = suite_params("accuracy", Settings(), "gpu")
     assert acc["repro_seqlen"] == 2048 and suite_params("accuracy", Settings(), "cpu")["repro_seqlen"] == 512

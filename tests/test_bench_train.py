@@ -61,7 +61,7 @@ def test_train_params_follow_the_options():
 
 def test_train_precompiles_the_kernels_cuflash_runs():
     cfgs = kernel_configs(Settings(suites=("train",)), ["train"])
-    assert {c.kernel for c in cfgs} == {"flash_fwd", "flash_bwd_preprocess", "flash_bwd_dkdv", "flash_bwd_dq"}
+    assert {c.kernel for c in cfgs} == {"flash_fwd", "flash_bwd_preprocess", "flash_bwd", "flash_bwd_postprocess"}
     assert {c.dtype for c in cfgs} == {"bfloat16"} and {c.head_dim for c in cfgs} - {0} == {64}
     assert kernel_configs(Settings(suites=("train",), backends=("torch-flash",)), ["train"]) == []
 

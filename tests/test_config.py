@@ -43,10 +43,24 @@ def test_frozen_and_hashable():
 def test_backward_configs():
     pre, dkdv, dq = config.choose_backward("float64", 96, config.LOCAL)
     assert (pre.kernel, dkdv.kernel, dq.kernel) == ("flash_bwd_preprocess", "flash_bwd_dkdv_simt", "flash_bwd_dq_simt")
-    pre, dkdv, dq = config.choose_backward("bfloat16", 96, config.LOCAL | config.SOFTCAP | config.VARLEN)
-    assert (dkdv.kernel, dq.kernel) == ("flash_bwd_dkdv", "flash_bwd_dq")
-    assert dkdv.variant == dq.variant == config.LOCAL | config.SOFTCAP | config.VARLEN
-    assert pre.variant == config.VARLEN  # the preprocess takes the varlen bit alone
+    pre, main, post = config.choose_backward("bfloat16", 96, config.LOCAL | config.SOFTCAP | config.VARLEN)
+    assert (main.kernel, post.kernel) == ("flash_bwd", "flash_bwd_postprocess")
+    assert main.variant == config.LOCAL | config.SOFTCAP | config.VARLEN
+    assert pre.variant == post.variant == config.VARLEN  # the per-row kernels take the varlen bit alone
+    # DETERMINISTIC: the tensor-core kernel's, dropped by the forward and the SIMT kernels (deterministic anyway)
+    assert config.choose_backward("float16", 64, config.DETERMINISTIC)[1].variant == config.DETERMINISTIC
+    assert config.choose_backward("float32", 64, config.DETERMINISTIC)[1].variant == 0
+    assert config.choose_forward("float16", 64, config.DETERMINISTIC).variant == 0
+
+
+def test_semaphores_cover_every_query_block():
+    """flash_bwd uses semaphore m_block of (entry, head); preprocess block i zeroes semaphore i, so flash_bwd's
+    block_m must be a multiple of SEMAPHORE_ROWS (its blocks are then no more than the preprocess's)."""
+    for dt in config.TENSOR_CORE_DTYPES:
+        for d in config.HEAD_DIMS:
+            for v in config.GATED_VARIANTS:
+                pre, main, _ = config.choose_backward(dt, d, v)
+                assert pre.block_m == config.SEMAPHORE_ROWS and main.block_m % config.SEMAPHORE_ROWS == 0
 
 
 def test_preprocess_is_one_kernel_per_dtype():

@@ -87,24 +87,34 @@ def _case_inputs(gpu, key, dtype, b, sq, sk, h, hk, d, kw):
     return q, k, v, do, kw, packed
 
 
-def _run(gpu, dtype, q, k, v, do, kw, packed):
-    """Forward into a NaN-filled out= and backward, through the public API on backend='cuda'."""
+def _run(gpu, dtype, q, k, v, do, kw, packed, deterministic=False, repeats=1):
+    """Forward into a NaN-filled out= and backward, through the public API on backend='cuda'. With
+    repeats > 1 the backward runs again (poisoned pool) and must give the same bits each time."""
     cf = gpu.cuflash
     lse_isz = 8 if dtype == "float64" else 4
-    nbytes = 2 * q.nbytes + 2 * k.nbytes + 2 * q.shape[-2] * q.size // q.shape[-1] * lse_isz
+    rows, d = q.size // q.shape[-1], q.shape[-1]  # query rows times heads
+    # o, lse, the gradients, and the workspace: D, the fp32 dQ accumulator (at most 256 wide), semaphores
+    nbytes = 2 * q.nbytes + 2 * k.nbytes + 2 * rows * lse_isz + rows * 256 * 4 + rows * 4
     out = gpu.nan_like(q)
     gpu.poison(nbytes)
     if packed is None:
         o, lse = cf.flash_attn_forward(q, k, v, backend="cuda", out=out, **kw)
-        gpu.poison(nbytes)
-        grads = cf.flash_attn_backward(do, q, k, v, o, lse, backend="cuda", **kw)
+        backward = lambda: cf.flash_attn_backward(do, q, k, v, o, lse, backend="cuda", deterministic=deterministic,  # noqa: E731
+                                                  **kw)
     else:
         cu = {n: gpu.cp.asarray(packed[n]) for n in ("cu_seqlens_q", "cu_seqlens_k")}
         lens = (packed["max_seqlen_q"], packed["max_seqlen_k"])
         o, lse = cf.flash_attn_varlen_forward(q, k, v, *cu.values(), *lens, backend="cuda", out=out, **kw)
-        gpu.poison(nbytes)
-        grads = cf.flash_attn_varlen_backward(do, q, k, v, o, lse, *cu.values(), *lens, backend="cuda", **kw)
+        backward = lambda: cf.flash_attn_varlen_backward(do, q, k, v, o, lse, *cu.values(), *lens,  # noqa: E731
+                                                         backend="cuda", deterministic=deterministic, **kw)
     assert o is out
+    gpu.poison(nbytes)
+    grads = backward()
+    for i in range(1, repeats):
+        gpu.poison(nbytes)
+        for name, x, x0 in zip(("dq", "dk", "dv"), backward(), grads):
+            n = gpu.same_bits(x, x0)
+            assert not n, f"backward call {i + 1}/{repeats}: {name} differs from call 1 in {n} of {x.size} elements"
     return (o, lse, *grads)
 
 
@@ -196,3 +206,19 @@ def test_dropout_keep_mask_is_the_specified_one(gpu, dtype):
     assert (kept == want).all(), f"{int((kept != want).sum())} of {want.size} keep flags differ"
     assert abs(float(want.mean()) - (1 - p)) < 0.02
 
+
+
+# deterministic=True: the dQ adds in key-block order, each dQ tile's turn from a semaphore, counted from the
+# first key block the mask gives its query block; windows, GQA and varlen move that first block.
+DETERMINISTIC_CASES = [c for c in CASES if c[0] in ("window", "window-left-causal", "all-gqa-varlen", "window-long")
+                       and c[1] in ("bfloat16", "float16")]
+
+
+@pytest.mark.parametrize("name,dtype,b,sq,sk,h,hk,d,kw",
+                         [pytest.param(*c, id=f"{c[0]}-{c[1]}-d{c[7]}") for c in DETERMINISTIC_CASES])
+def test_variant_deterministic(gpu, name, dtype, b, sq, sk, h, hk, d, kw):
+    ctx = f"deterministic {name} {dtype} b={b} sq={sq} sk={sk} h={h} hk={hk} d={d} {kw}"
+    q, k, v, do, kw, packed = _case_inputs(gpu, ctx, dtype, b, sq, sk, h, hk, d, kw)
+    got = _run(gpu, dtype, q, k, v, do, kw, packed, deterministic=True, repeats=10)
+    r64, sp = _references(gpu, dtype, q, k, v, do, kw, packed)
+    _check(gpu, ctx, dtype, got, r64, sp)

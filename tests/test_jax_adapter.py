@@ -452,7 +452,7 @@ def test_gpu_eager_and_jit(gpu, dtype, causal):
     dev = _gpu_device()
     cp = gpu.cp
     q, k, v, w = _gpu_inputs(dev, dtype, [(2, 200, 4, 64), (2, 230, 2, 64), (2, 230, 2, 64), (2, 200, 4, 64)], 11)
-    f = lambda q, k, v: cfj.flash_attn(q, k, v, causal=causal)
+    f = lambda q, k, v: cfj.flash_attn(q, k, v, causal=causal, deterministic=True)  # dq compared bitwise
     grad = jax.grad(lambda q, k, v, w: jnp.sum(f(q, k, v).astype(jnp.float32) * w.astype(jnp.float32)),
                     argnums=(0, 1, 2))
     eager = (f(q, k, v), *grad(q, k, v, w))
@@ -517,12 +517,13 @@ def test_gpu_varlen_variants_jit_equals_cuflash(gpu):
     a = jax.device_put(slopes((3, 4)), dev)
     cq, ck = jax.device_put(cu_q, dev), jax.device_put(cu_k, dev)
     kw = dict(causal=True, window=(60, 2), softcap=2.0)
-    f = lambda q, k, v: cfj.flash_attn_varlen(q, k, v, cq, ck, 150, 160, alibi_slopes=a, **kw)
+    f = lambda q, k, v: cfj.flash_attn_varlen(q, k, v, cq, ck, 150, 160, alibi_slopes=a, deterministic=True, **kw)
     grad = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * w.astype(jnp.float32)), argnums=(0, 1, 2))
     got = (jax.jit(f)(q, k, v), *jax.jit(grad)(q, k, v))
     c = [cp.from_dlpack(x) for x in (q, k, v, w, cq, ck, a)]
     o, lse = cuflash.flash_attn_varlen_forward(*c[:3], c[4], c[5], 150, 160, alibi_slopes=c[6], **kw)
-    want = (o, *cuflash.flash_attn_varlen_backward(c[3], *c[:3], o, lse, c[4], c[5], 150, 160, alibi_slopes=c[6], **kw))
+    want = (o, *cuflash.flash_attn_varlen_backward(c[3], *c[:3], o, lse, c[4], c[5], 150, 160, alibi_slopes=c[6],
+                                                   deterministic=True, **kw))
     for name, g, x in zip(("o", "dq", "dk", "dv"), got, want):
         assert g.devices() == {dev}
         assert gpu.same_bits(cp.from_dlpack(g), x) == 0, name

@@ -83,6 +83,7 @@ class _Dev:
         import math as _m
 
         self.shape, self.itemsize, self.ndim = tuple(shape), itemsize, len(shape)
+        self.dtype = {1: "uint8", 2: "float16", 4: "float32", 8: "float64"}[itemsize]
         self.size = _m.prod(shape)
         st, acc = [], itemsize
         for n in reversed(shape):
@@ -125,13 +126,23 @@ def test_varlen_params_are_packed():
 
     q, k, lse = _Dev((300, 4, 64)), _Dev((350, 2, 64)), _Dev((4, 300), 4)
     cu_q, cu_k = _Dev((4,), 4, ptr=111), _Dev((4,), 4, ptr=222)
+    workspace = _Dev((1 << 20,), 1, ptr=1 << 20)
     p = _params.bwd_params(q[None], q[None], k[None], k[None], q[None], lse[None], q[None], k[None], k[None],
-                           lse[None], 0.125, False, (cu_q, cu_k, 200, 180))
+                           workspace, 0.125, False, (cu_q, cu_k, 200, 180), deterministic=True)
     f = p["fwd"]
     assert (int(f["batch"]), int(f["seqlen_q"]), int(f["seqlen_k"])) == (3, 200, 180)
     assert (int(f["cu_seqlens_q"]), int(f["cu_seqlens_k"])) == (111, 222)
     for name in ("q", "k", "v", "o", "lse"):
         assert int(f[f"{name}_batch_stride"]) == 0, name
-    for name in ("do", "dq", "dk", "dv", "dsum"):
+    for name in ("do", "dq", "dk", "dv", "dsum", "dq_accum"):
         assert int(p[f"{name}_batch_stride"]) == 0, name
     assert int(f["q_row_stride"]) == 4 * 64 and int(f["lse_head_stride"]) == 300
+    # the workspace: D [1, 4, 300] fp32, then the dQ accumulator [1, 4, 300, 64] fp32, then one semaphore per
+    # (sequence, head, 64 rows of the longest sequence)
+    assert int(p["dsum"]) == 1 << 20 and int(p["dsum_head_stride"]) == 300
+    assert int(p["dq_accum_offset"]) == 4 * 300 * 4
+    assert (int(p["dq_accum_head_stride"]), int(p["dq_accum_row_stride"])) == (300 * 64, 64)
+    assert int(p["dq_semaphore_offset"]) == 4 * 300 * 4 + 4 * 300 * 64 * 4
+    assert (int(p["dq_semaphore_batch_stride"]), int(p["dq_semaphore_head_stride"])) == (4 * 4, 4)
+    layout = _params.workspace_layout(q[None], (cu_q, cu_k, 200, 180), deterministic=True)
+    assert layout.nbytes == int(p["dq_semaphore_offset"]) + 3 * 4 * 4 * 4

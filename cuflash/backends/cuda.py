@@ -104,15 +104,25 @@ def forward_launches(q, k, v, o, lse, *, causal: bool, softmax_scale: float, var
     return Launches(p, [(cfg, (ceil_div(sq, cfg.block_m), h, b))])
 
 
-def backward_launches(do, q, k, v, o, lse, dq, dk, dv, dsum, *, causal: bool, softmax_scale: float, varlen=None,
-                      **variants) -> Launches:
+def backward_launches(do, q, k, v, o, lse, dq, dk, dv, workspace, *, causal: bool, softmax_scale: float,
+                      varlen=None, deterministic=False, **variants) -> Launches:
+    """The backward's three launches (config.choose_backward); workspace: a device array of at least
+    _params.workspace_layout(q, varlen, deterministic).nbytes."""
     d, h, hk = q.shape[3], q.shape[2], k.shape[2]
-    pre, dkdv, dqk = choose_backward(q.dtype, d, _params.variant(causal, varlen, **variants))
-    p = _params.bwd_params(do, q, k, v, o, lse, dq, dk, dv, dsum, softmax_scale, causal, varlen, **variants)
+    cfgs = choose_backward(q.dtype, d, _params.variant(causal, varlen, deterministic=deterministic, **variants))
+    p = _params.bwd_params(do, q, k, v, o, lse, dq, dk, dv, workspace, softmax_scale, causal, varlen, deterministic,
+                           **variants)
     b, sq, sk = int(p["fwd"]["batch"]), int(p["fwd"]["seqlen_q"]), int(p["fwd"]["seqlen_k"])
     check_batch(b)
-    return Launches(p, [(pre, (ceil_div(sq, pre.block_m), h, b)), (dkdv, (ceil_div(sk, dkdv.block_n), hk, b)),
-                        (dqk, (ceil_div(sq, dqk.block_m), h, b))])
+
+    def grid(cfg):
+        if cfg.kernel == "flash_bwd":  # key blocks slowest (flash_bwd.cu; reversed when deterministic)
+            return hk, b, ceil_div(sk, cfg.block_n)
+        if cfg.kernel == "flash_bwd_dkdv_simt":
+            return ceil_div(sk, cfg.block_n), hk, b
+        return ceil_div(sq, cfg.block_m), h, b
+
+    return Launches(p, [(cfg, grid(cfg)) for cfg in cfgs])
 
 
 def _current_stream() -> int:
@@ -131,19 +141,18 @@ def forward(q, k, v, *, causal, softmax_scale, out, lse, varlen=None, **variants
     return out, lse
 
 
-def backward(do, q, k, v, o, lse, *, causal, softmax_scale, deterministic, dq, dk, dv, dsum=None, varlen=None,
+def backward(do, q, k, v, o, lse, *, causal, softmax_scale, deterministic, dq, dk, dv, workspace=None, varlen=None,
              **variants):
-    """dsum (batch, heads, seqlen_q), lse's dtype: the workspace for D = rowsum(dO * O), from the
-    caller's allocator when given."""
+    """workspace: a device array of at least _params.workspace_layout(...).nbytes (D, the fp32 dQ
+    accumulator, the deterministic mode's semaphores), from the caller's allocator when given."""
     import cupy
 
-    del deterministic  # always: no atomics, fixed reduction order
-    if dsum is None:
-        dsum = cupy.empty(lse.shape, dtype=lse.dtype)
+    if workspace is None:
+        workspace = cupy.empty(_params.workspace_layout(q, varlen, deterministic).nbytes, dtype=cupy.uint8)
     do, q, k, v, o = (_ready(x) for x in (do, q, k, v, o))
     bufs = [_result_buffer(x) for x in (dq, dk, dv)]
-    backward_launches(do, q, k, v, o, lse, *bufs, dsum, causal=causal, softmax_scale=softmax_scale, varlen=varlen,
-                      **variants).run(_current_stream())
+    backward_launches(do, q, k, v, o, lse, *bufs, workspace, causal=causal, softmax_scale=softmax_scale,
+                      varlen=varlen, deterministic=deterministic, **variants).run(_current_stream())
     for buf, dst in zip(bufs, (dq, dk, dv)):
         if buf is not dst:
             dst[...] = buf
@@ -180,10 +189,7 @@ def kvcache_forward(q, k_cache, v_cache, seqlens_k, block_table=None, *, out, ls
 
 def varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, dq, dk, dv,
                     **kwargs):
-    import cupy
-
     varlen = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    dsum = cupy.empty(lse.shape, dtype=lse.dtype)[None]
     backward(do[None], q[None], k[None], v[None], o[None], lse[None], dq=dq[None], dk=dk[None], dv=dv[None],
-             dsum=dsum, varlen=varlen, **kwargs)
+             varlen=varlen, **kwargs)
     return dq, dk, dv

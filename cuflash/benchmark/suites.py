@@ -115,7 +115,8 @@ def suite_params(name: str, s: Settings, platform: str) -> dict:
         hidden = 1024  # nheads * head_dim, fixed
         dims = [64, 128] if q else [32, 64, 128, 256]
         return {"batch": 1, "hidden": hidden, "head_dims": dims, "nheads": [hidden // d for d in dims],
-                "seqlen": 2048 if q else 8192, "dtype": base["dtype"], "causal": s.causal, "modes": ["fwd"]}
+                "seqlen": 2048 if q else 8192, "dtype": base["dtype"], "causal": s.causal,
+                "modes": ["fwd", "bwd", "fwd_bwd"]}
     if name == "memory":
         return {**base, "modes": ["fwd", "fwd_bwd"],
                 "seqlens": list(s.seqlens or ([512, 1024, 2048] if q else [1024, 2048, 4096, 8192, 16384]))}

@@ -27,8 +27,8 @@ from typing import Callable
 
 TRAIN_IMPLS = ("cuflash", "torch-flash", "torch-cudnn")
 # A kernel is attention's when its name holds one of these (lower case): cuflash's kernels are
-# flash_fwd*, flash_bwd* (config.SOURCES: flash_fwd, flash_bwd_preprocess, flash_bwd_dkdv, flash_bwd_dq and
-# their _simt twins), torch's flash backend's flash_fwd_kernel, flash_bwd_*; cuDNN's fused attention kernels
+# flash_fwd*, flash_bwd* (config.SOURCES: flash_fwd, flash_bwd_preprocess, flash_bwd, flash_bwd_postprocess and
+# the _simt kernels), torch's flash backend's flash_fwd_kernel, flash_bwd_*; cuDNN's fused attention kernels
 # carry "cudnn" and "sdpa" (cudnn_generated_fort_native_sdpa_*), the memory-efficient backend's "fmha".
 # The model runs cuDNN for attention only, so "cudnn" alone names an attention kernel here.
 ATTENTION_MARKS = ("flash", "cudnn", "sdpa", "fmha")
