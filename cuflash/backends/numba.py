@@ -15,7 +15,9 @@ prototypes' arguments as cuflash/_params.py fills FwdParams (-1 window bounds as
 cfg.variant (the kVariant bits) selects what the kernels apply.
 
 Config: cuflash.config.choose_forward / choose_backward, with the tiles shrunk where needed so that
-a prototype's static shared memory fits in 48 KiB (Numba has no opt-in for more).
+a prototype's static shared memory fits in 48 KiB (Numba has no opt-in for more). The backward runs
+flash_bwd.cu's three kernels (preprocess, flash_bwd, postprocess) for every dtype, fp32 / fp64 with the
+tensor-core tiles (the prototype has no SIMT variant); deterministic=True sets DETERMINISTIC.
 """
 
 from __future__ import annotations
