@@ -290,8 +290,8 @@ def make_flash_bwd(cfg):
                 # of its query block have added (each of them visits it: m_block_range and n_block_range agree)
                 turn = 0
                 if IS_DETERMINISTIC:
-                    n_first, n_end = n_block_range(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k,
-                                                   BLOCK_M, BLOCK_N, m_block)
+                    n_first, _ = n_block_range(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k,
+                                               BLOCK_M, BLOCK_N, m_block)
                     turn = n_block - n_first
                     if tid == 0:
                         # an atomic read (load_acquire in flash_bwd.cu): a plain load could be hoisted out of
