@@ -68,6 +68,13 @@ API_VARLEN_CASE = (2, 1, 8, "float32", [0, 5, 9], [0, 3, 9],
                    {"window": (2, -1), "softcap": 2.5, "dropout_p": 0.2, "seed": 11, "offset": 3})
 
 OUTPUTS = ("o", "lse", "dq", "dk", "dv")
+BWD_KERNELS = ("flash_bwd_preprocess", "flash_bwd", "flash_bwd_postprocess")
+
+# flash_bwd's deterministic mode (semaphores: each dQ tile's adds in key-block order) and its atomic adds:
+# (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, (cfg head_dim, block_m, block_n, warps),
+# variants). GQA (two query heads per key block) and a window whose query blocks start at n_first > 0.
+DETERMINISTIC_CASE = (1, 40, 40, 2, 1, 8, "float32", (8, 16, 16, 1), {"window": (5, -1)})
+DETERMINISTIC_RUNS = 3
 
 
 def _np_dtype(name):
@@ -194,7 +201,7 @@ def _sim_worker(out_path: str) -> None:
             res = {"q": q, "k": k, "v": v, "do": do, "o": o, "lse": lse}
             if bwd:
                 cfgs = tuple(dataclasses.replace(cfg, kernel=kn) for kn in
-                             ("flash_bwd_preprocess", "flash_bwd_dkdv", "flash_bwd_dq"))
+                             BWD_KERNELS)
                 res["dq"], res["dk"], res["dv"] = nb._backward(do, q, k, v, o, lse, causal=causal,
                                                                softmax_scale=scale, cfgs=cfgs)
             for key, x in res.items():
@@ -218,7 +225,7 @@ def _sim_worker(out_path: str) -> None:
                 q, k, v, do = (x[None] for x in (q, k, v, do))
             cfg = KernelConfig("flash_fwd", dt, cd, bm, bn, warps, _params.variant(causal, packed, **kw))
             cfgs = tuple(dataclasses.replace(cfg, kernel=kn) for kn in
-                         ("flash_bwd_preprocess", "flash_bwd_dkdv", "flash_bwd_dq"))
+                         BWD_KERNELS)
             o, lse = nb._forward(q, k, v, causal=causal, softmax_scale=scale, cfg=cfg, varlen=packed, **kw)
             dq, dk, dv = nb._backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale, cfgs=cfgs,
                                       varlen=packed, **kw)
@@ -231,6 +238,26 @@ def _sim_worker(out_path: str) -> None:
         except Exception:
             failures[name] = traceback.format_exc()
         timings[name] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    try:
+        b, sq, sk, h, hk, d, dt, (cd, bm, bn, warps), kw = DETERMINISTIC_CASE
+        q, k, v, do = _inputs(97, b, sq, sk, h, hk, d, dt)
+        scale = 1.0 / math.sqrt(d)
+        cfg = KernelConfig("flash_fwd", dt, cd, bm, bn, warps, _params.variant(False, **kw))
+        cfgs = tuple(dataclasses.replace(cfg, kernel=kn) for kn in BWD_KERNELS)
+        o, lse = nb._forward(q, k, v, causal=False, softmax_scale=scale, cfg=cfg, **kw)
+        for key, x in dict(q=q, k=k, v=v, do=do).items():
+            arrays[f"deterministic/{key}"] = x
+        for run, det in enumerate([False] + [True] * DETERMINISTIC_RUNS):
+            grads = nb._backward(do, q, k, v, o, lse, causal=False, softmax_scale=scale, cfgs=cfgs,
+                                 deterministic=det, **kw)
+            for key, x in zip(("dq", "dk", "dv"), grads):
+                arrays[f"deterministic/{key}{run}"] = x
+        failures["deterministic"] = ""
+    except Exception:
+        failures["deterministic"] = traceback.format_exc()
+    timings["deterministic"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     try:
@@ -443,6 +470,27 @@ def test_sim_api_varlen_variants(sim):
     o, lse = npb.varlen_forward(q, k, v, cq, ck, softmax_scale=scale, **kw)
     grads = npb.varlen_backward(do, q, k, v, o, lse, cq, ck, softmax_scale=scale, **kw)
     _compare_with_numpy(sim, "api_varlen", dict(zip(OUTPUTS, (o, lse, *grads))), dt)
+
+
+def test_sim_deterministic(sim):
+    """flash_bwd with deterministic=False (atomic adds as they come) and True (semaphores) both give the
+    reference's gradients; deterministic runs are bitwise identical."""
+    from cuflash import reference
+
+    failure = str(sim["deterministic/failure"])
+    assert not failure, failure
+    b, sq, sk, h, hk, d, dt, _, kw = DETERMINISTIC_CASE
+    q, k, v, do = (sim[f"deterministic/{key}"] for key in ("q", "k", "v", "do"))
+    refs = reference.backward(do, q, k, v, causal=False, softmax_scale=1.0 / math.sqrt(d), **kw)
+    for run in range(1 + DETERMINISTIC_RUNS):
+        for key, ref in zip(("dq", "dk", "dv"), refs):
+            x = sim[f"deterministic/{key}{run}"]
+            assert x.shape == ref.shape and x.dtype == q.dtype
+            err = reference.max_abs_error(x, ref)
+            assert err <= _tolerance(dt)[1], f"run {run} {key}: max abs error {err:.3g}"
+    for run in range(2, 1 + DETERMINISTIC_RUNS):
+        for key in ("dq", "dk", "dv"):
+            assert np.array_equal(sim[f"deterministic/{key}{run}"], sim[f"deterministic/{key}1"]), (run, key)
 
 
 def test_sim_runtime_report(sim):

@@ -4,6 +4,8 @@ finite differences, the Philox generator against Random123's known answers, and 
 checks. CPU only."""
 
 import math
+import pathlib
+import types
 
 import ml_dtypes
 import numpy as np
@@ -170,6 +172,54 @@ def test_window_skips_tiles(monkeypatch):
     nb.forward(q, k, v, window=(10, 10), block_m=32, block_n=32)
     assert seen and all(abs(m - n) <= 1 for m, n in seen)
     assert len(seen) == 8 * 3 - 2
+
+
+def _proto_mask_rules() -> dict:
+    """cuflash/proto/mask.py's rules as plain Python functions: its source run with cuda.jit as the
+    identity (they are CUDA device functions, which Python calls only under the simulator)."""
+    path = pathlib.Path(cuflash.__file__).parent / "proto" / "mask.py"
+    src = path.read_text()
+    assert "from numba import cuda\n" in src
+    ns = {"cuda": types.SimpleNamespace(jit=lambda **_: (lambda f: f)), "__name__": "proto_mask_rules"}
+    exec(compile(src.replace("from numba import cuda\n", ""), str(path), "exec"), ns)
+    return ns
+
+
+def test_block_ranges_agree():
+    """Query block m is in m_block_range(n) exactly when key block n is in n_block_range(m) (mask.cuh's
+    rules, through proto/mask.py). flash_bwd's deterministic mode relies on it: key block n waits until
+    the key blocks n_first .. n - 1 of n_block_range(m) have added into dQ tile m, each of which must
+    visit m (its m_block_range), and every key block that visits m must be counted."""
+    rules = _proto_mask_rules()
+    U = rules["UNBOUNDED"]
+    gen = np.random.default_rng(14)
+    blocks = (16, 32, 64, 128)
+    bounds = (-1, -1, 0, 0, 1, 3, 17, 64, 200)  # -1: unbounded
+    checked = 0
+    for case in range(1500):
+        sq, sk = (int(x) for x in gen.integers(1, 300, 2))
+        if case % 3 == 0:
+            sk = int(gen.integers(1, sq + 1))  # seqlen_q >= seqlen_k (causal rows that see no key)
+        bm, bn = (int(x) for x in gen.choice(blocks, 2))
+        kind = case % 4
+        if kind == 0:
+            left, right = -1, -1  # plain
+        elif kind == 1:
+            left, right = -1, 0  # causal
+        else:
+            left, right = (int(x) for x in gen.choice(bounds, 2))
+        local = not _mask.is_plain(left, right)
+        wl, wr = (U if left < 0 else left), (U if right < 0 else right)
+        args = (local, wl, wr, sq, sk, bm, bn)
+        n_ranges = [rules["n_block_range"](*args, m) for m in range(-(-sq // bm))]
+        m_ranges = [rules["m_block_range"](*args, n) for n in range(-(-sk // bn))]
+        for m, (n_lo, n_hi) in enumerate(n_ranges):
+            for n, (m_lo, m_hi) in enumerate(m_ranges):
+                assert (m_lo <= m < m_hi) == (n_lo <= n < n_hi), (
+                    f"seqlen_q={sq} seqlen_k={sk} block_m={bm} block_n={bn} window=({left}, {right}): "
+                    f"m_block_range({n}) = {(m_lo, m_hi)}, n_block_range({m}) = {(n_lo, n_hi)}")
+                checked += 1
+    assert checked > 10_000
 
 
 def test_fully_masked_rows():

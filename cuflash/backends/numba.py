@@ -15,7 +15,9 @@ prototypes' arguments as cuflash/_params.py fills FwdParams (-1 window bounds as
 cfg.variant (the kVariant bits) selects what the kernels apply.
 
 Config: cuflash.config.choose_forward / choose_backward, with the tiles shrunk where needed so that
-a prototype's static shared memory fits in 48 KiB (Numba has no opt-in for more).
+a prototype's static shared memory fits in 48 KiB (Numba has no opt-in for more). The backward runs
+flash_bwd.cu's three kernels (preprocess, flash_bwd, postprocess) for every dtype, fp32 / fp64 with the
+tensor-core tiles (the prototype has no SIMT variant); deterministic=True sets DETERMINISTIC.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import numpy as np
 
 from .. import _mask, _params, _philox
 from .._params import UNBOUNDED
-from ..config import KernelConfig, choose_backward, choose_forward, dtype_name
+from ..config import (DETERMINISTIC, SEMAPHORE_ROWS, KernelConfig, choose_backward, choose_forward,
+                      dtype_name)
 
 STATIC_SMEM_LIMIT = 48 * 1024
 
@@ -74,9 +77,8 @@ def _layout_ok(cfg: KernelConfig) -> bool:
         if cfg.kernel.startswith("flash_fwd"):
             thread_layout(cfg.block_m, cfg.block_n, cfg.threads)
             thread_layout(cfg.block_m, cfg.head_dim, cfg.threads)
-        elif "dkdv" in cfg.kernel:
+        elif cfg.kernel == "flash_bwd":  # dK / dV tile and dQ's share
             thread_layout(cfg.block_n, cfg.head_dim, cfg.threads)
-        elif "dq" in cfg.kernel:
             thread_layout(cfg.block_m, cfg.head_dim, cfg.threads)
     except ValueError:
         return False
@@ -280,34 +282,57 @@ def _forward(q, k, v, *, causal, softmax_scale, cfg=None, out=None, lse=None, va
     return _finish(out, o, q.dtype), _finish(lse, lse_buf, lse_buf.dtype)
 
 
-def _backward(do, q, k, v, o, lse, *, causal, softmax_scale, cfgs=None, dq=None, dk=None, dv=None, dsum=None,
-              varlen=None, **variants):
-    """backward() with an optional (preprocess, dkdv, dq) KernelConfig override; varlen as for _forward."""
-    from ..proto.flash_bwd import make_flash_bwd_dkdv, make_flash_bwd_dq, make_flash_bwd_preprocess
+def _backward_configs(dt: str, head_dim: int, variant: int) -> tuple:
+    """(preprocess, flash_bwd, postprocess) configs, fitted. The prototype mirrors flash_bwd.cu for every
+    dtype (it has no SIMT variant, where choose_backward gives fp32 / fp64 flash_bwd_simt.cu's kernels):
+    the tensor-core choice, which depends on head_dim and variant only, with the call's dtype."""
+    cfgs = choose_backward("float16", head_dim, variant)
+    return tuple(fit(dataclasses.replace(c, dtype=dt)) for c in cfgs)
+
+
+def _backward(do, q, k, v, o, lse, *, causal, softmax_scale, cfgs=None, deterministic=False, dq=None, dk=None,
+              dv=None, workspace=None, varlen=None, **variants):
+    """backward() with an optional (preprocess, flash_bwd, postprocess) KernelConfig override; varlen as
+    for _forward. deterministic sets DETERMINISTIC on flash_bwd's config (given or chosen)."""
+    from ..proto.flash_bwd import make_flash_bwd, make_flash_bwd_postprocess, make_flash_bwd_preprocess
 
     xp = _xp(q)
     dt = dtype_name(q.dtype)
-    _, seqlen_q, nheads, head_dim = q.shape
+    slabs, rows, nheads, head_dim = q.shape
     nheads_k = k.shape[2]
     batch, grid_sq, grid_sk = _grid_sizes(q, k, varlen)
     if cfgs is None:
-        cfgs = tuple(fit(c) for c in choose_backward(dt, head_dim, _params.variant(causal, varlen, **variants)))
-    cfg_pre, cfg_dkdv, cfg_dq = cfgs
+        cfgs = _backward_configs(dt, head_dim, _params.variant(causal, varlen, **variants))
+    cfg_pre, cfg_bwd, cfg_post = cfgs
+    if deterministic:
+        cfg_bwd = dataclasses.replace(cfg_bwd, variant=cfg_bwd.variant | DETERMINISTIC)
     launcher = _Launcher()
     work = np.float32 if dt == "bfloat16" else q.dtype
     dq_buf, dk_buf, dv_buf = (_result(given, x.shape, work, xp, launcher.sim)
                               for given, x in ((dq, q), (dk, k), (dv, v)))
-    if dsum is None:
-        dsum = xp.empty((q.shape[0], nheads, seqlen_q), dtype=_acc_dtype(dt))
+    acc = _acc_dtype(dt)
+    if workspace is not None:
+        # D at the front of the API's workspace (config.BackwardWorkspace: offset 0, [slab, head, row])
+        nbytes = slabs * nheads * rows * np.dtype(acc).itemsize
+        dsum = workspace.view(np.uint8)[:nbytes].view(acc).reshape(slabs, nheads, rows)
+    else:
+        dsum = xp.empty((slabs, nheads, rows), dtype=acc)
+    # The accumulator and the semaphores are the backend's own (the preprocess zeroes them): the prototype
+    # indexes dq_accum by the call's head_dim, not the compiled one of the workspace. One semaphore per
+    # query block of flash_bwd, at least as many as flash_bwd.cu's one per SEMAPHORE_ROWS rows (fit may
+    # shrink block_m below it).
+    dq_accum = xp.empty((slabs, nheads, rows, head_dim), dtype=acc)
+    semaphore = xp.empty((batch, nheads, _ceil_div(grid_sq, min(SEMAPHORE_ROWS, cfg_bwd.block_m))), dtype=np.int32)
     scale, scale_log2 = _scales(dt, softmax_scale)
     var = _variant_args(launcher, xp, dt, nheads, causal, varlen, **variants)
     q_, k_, v_, do_, o_, lse_ = (launcher.inp(x) for x in (q, k, v, do, o, lse))
     launcher.launch(make_flash_bwd_preprocess, cfg_pre, (_ceil_div(grid_sq, cfg_pre.block_m), nheads, batch),
-                    do_, o_, dsum, var[0], var[1])
-    launcher.launch(make_flash_bwd_dkdv, cfg_dkdv, (_ceil_div(grid_sk, cfg_dkdv.block_n), nheads_k, batch),
-                    q_, k_, v_, do_, lse_, dsum, dk_buf, dv_buf, scale, scale_log2, *var)
-    launcher.launch(make_flash_bwd_dq, cfg_dq, (_ceil_div(grid_sq, cfg_dq.block_m), nheads, batch),
-                    q_, k_, v_, do_, lse_, dsum, dq_buf, scale, scale_log2, *var)
+                    do_, o_, dsum, dq_accum, semaphore, var[0], var[1])
+    # key blocks slowest (blockIdx.z), as in flash_bwd.cu
+    launcher.launch(make_flash_bwd, cfg_bwd, (nheads_k, batch, _ceil_div(grid_sk, cfg_bwd.block_n)),
+                    q_, k_, v_, do_, lse_, dsum, dk_buf, dv_buf, dq_accum, semaphore, scale, scale_log2, *var)
+    launcher.launch(make_flash_bwd_postprocess, cfg_post, (_ceil_div(grid_sq, cfg_post.block_m), nheads, batch),
+                    dq_accum, dq_buf, scale, var[0], var[1])
     return tuple(_finish(given, buf, q.dtype) for given, buf in ((dq, dq_buf), (dk, dk_buf), (dv, dv_buf)))
 
 
@@ -320,11 +345,15 @@ def forward(q, k, v, *, causal, softmax_scale, out=None, lse=None, varlen=None, 
 
 
 def backward(do, q, k, v, o, lse, *, causal, softmax_scale, deterministic=False, dq=None, dk=None, dv=None,
-             dsum=None, varlen=None, **variants):
-    """(dq, dk, dv); deterministic by construction (no atomics), whatever `deterministic` says.
-    dsum, when given, is the workspace for D = rowsum(dO * O) (batch, heads, seqlen_q)."""
-    return _backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, dq=dq, dk=dk, dv=dv,
-                     dsum=dsum, varlen=varlen, **variants)
+             workspace=None, varlen=None, **variants):
+    """(dq, dk, dv). deterministic: the adds into each dQ tile in key-block order (DETERMINISTIC), so
+    that repeated calls are bitwise identical; else atomic adds as they come. workspace, when given, is
+    the API's 1-D device workspace (cuflash/_params.py workspace_layout): D is written at its front; the
+    dQ accumulator and semaphores are allocated here."""
+    # api.py passes dsum= until it passes workspace=: ignored (D is made here then)
+    variants.pop("dsum", None)
+    return _backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
+                     dq=dq, dk=dk, dv=dv, workspace=workspace, varlen=varlen, **variants)
 
 
 def _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
@@ -354,7 +383,7 @@ def kvcache_forward(q, k_cache, v_cache, seqlens_k, block_table=None, *, out=Non
 def varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, dq=None,
                     dk=None, dv=None, **kwargs):
     """Gradients of varlen_forward; lse (heads, total_q)."""
-    kwargs.pop("dsum", None)
+    kwargs.pop("workspace", None)
     varlen = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     grads = backward(do[None], q[None], k[None], v[None], o[None], lse[None],
                      dq=_none_or(dq, lambda x: x[None]), dk=_none_or(dk, lambda x: x[None]),

@@ -2,8 +2,8 @@
 
 This is the executable specification of kernels_cu/flash_fwd.cu and flash_bwd.cu: the same tiles
 (block_m query rows x block_n key rows), the same online softmax in exp2 units, the same skipping of
-tiles above the causal diagonal, the same backward split (preprocess, dK/dV per key block, dQ per
-query block), and the same numbered step comments. What a CUDA thread block does for one
+tiles above the causal diagonal, the same backward (preprocess, one pass over key blocks that adds dQ's
+share into an accumulator in key-block order, postprocess), and the same numbered step comments. What a CUDA thread block does for one
 (m_block, head, batch) is done here for one m_block and every (batch, head) at once: arrays are
 grouped as (batch, nheads_k, group, seqlen, head_dim) so that a query head and its kv head meet by
 broadcasting, never by copying K or V per query head. Only tiles are looped over, and no more than
@@ -197,14 +197,16 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, lse=None, bl
 
 
 def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, deterministic=False,
-             dq=None, dk=None, dv=None, dsum=None, block_m=BLOCK_M, block_n=BLOCK_N,
+             dq=None, dk=None, dv=None, workspace=None, dsum=None, block_m=BLOCK_M, block_n=BLOCK_N,
              window=_mask.NO_WINDOW, softcap=0.0, alibi_slopes=None,
             dropout_p=0.0, seed=0, offset=0, batch_index=0):
     """(dq, dk, dv) in the input dtype, bshd contiguous, or written into the given dq / dk / dv.
-    Always deterministic (no atomics to avoid). dsum is not used: D is computed here in the
-    grouped layout. The variant arguments are forward's; dropout regenerates the forward's mask."""
+    Always deterministic: dQ's shares are added in key-block order, as flash_bwd.cu's DETERMINISTIC
+    mode does. workspace (and dsum, which api.py passes until it passes workspace) is not used: D and
+    the dQ accumulator live here in the grouped layout. The variant arguments are forward's; dropout
+    regenerates the forward's mask."""
     dq_out, dk_out, dv_out = dq, dk, dv
-    del deterministic, dsum
+    del deterministic, workspace, dsum
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     group = nheads // nheads_k
@@ -220,14 +222,15 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, determini
     # exp2(S * scale_log2 - inf) = 0 rather than exp2(+inf).
     lse_log2 = np.where(lse == -np.inf, np.inf, lse * LOG2E).astype(acc)
 
-    # [1] Preprocess: D = rowsum(dO * O)
+    # [1] Preprocess: D = rowsum(dO * O); zero the dQ accumulator and semaphores
+    # (no semaphores here: the loop below runs the key blocks in order)
     dsum = np.sum(dog * og, axis=-1)  # (B, Hk, G, Sq)
+    dq_accum = np.zeros(qg.shape, dtype=acc)
 
     dk = np.empty(kg.shape, dtype=acc)
     dv = np.empty(vg.shape, dtype=acc)
-    n_m_blocks = _ceil_div(seqlen_q, block_m)
 
-    # [2] dK/dV block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
+    # [2] Block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
     for n_block in range(_ceil_div(seqlen_k, block_n)):
         n0, n1 = n_block * block_n, min((n_block + 1) * block_n, seqlen_k)
         k_tile, v_tile = kg[..., n0:n1, :], vg[..., n0:n1, :]  # (B, Hk, 1, bn, D)
@@ -266,37 +269,16 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, determini
             # [8] dK += dS^T Q
             acc_dk += (ds.swapaxes(-1, -2) @ q_tile).sum(axis=2)
 
-        # [9] Store dK * softmax_scale and dV
+            # [9] dQ_accum += dS K: fp32 atomic adds, in key-block order when deterministic
+            # (in acc: float64 for float64; key blocks in increasing order, so always deterministic)
+            dq_accum[..., m0:m1, :] += ds @ k_tile
+
+        # [10] Store dK * softmax_scale and dV
         dk[:, :, 0, n0:n1, :] = acc_dk * softmax_scale
         dv[:, :, 0, n0:n1, :] = acc_dv
 
-    dq = np.empty(qg.shape, dtype=acc)
-    # [10] dQ block coordinates: m_block, head, batch; the mask gives the key blocks to visit
-    for m_block in range(n_m_blocks):
-        m0, m1 = m_block * block_m, min((m_block + 1) * block_m, seqlen_q)
-        q_tile, do_tile = qg[..., m0:m1, :], dog[..., m0:m1, :]
-        lse_rows = lse_log2[..., m0:m1, None]
-        d_rows = dsum[..., m0:m1, None]
-        acc_dq = np.zeros(q_tile.shape, dtype=acc)
-
-        for n_block in range(*var.blocks_n(m_block, block_m, block_n)):
-            n0, n1 = n_block * block_n, min((n_block + 1) * block_n, seqlen_k)
-            k_tile, v_tile = kg[..., n0:n1, :], vg[..., n0:n1, :]
-
-            # [11] Recompute S, P and dS = P * (dO V^T - D) for one key block
-            acc_s = q_tile @ k_tile.swapaxes(-1, -2)
-            acc_s, dcap = var.scores(acc_s, m0, m1, n0, n1, block_n)
-            p = np.exp2(acc_s * scale_log2 - lse_rows)
-            ds = p * (var.dropped(do_tile @ v_tile.swapaxes(-1, -2), m0, m1, n0, n1) - d_rows)
-            if dcap is not None:
-                ds *= dcap
-
-            # [12] dQ += dS K
-            acc_dq += ds @ k_tile
-
-        # [13] Store dQ * softmax_scale
-        dq[..., m0:m1, :] = acc_dq * softmax_scale
-
+    # [11] Postprocess: dQ = dQ_accum * softmax_scale in the input dtype
+    dq = dq_accum * softmax_scale
     return _store(_bshd(dq, q.dtype), dq_out), _store(_bshd(dk, k.dtype), dk_out), _store(_bshd(dv, v.dtype), dv_out)
 
 
@@ -339,6 +321,7 @@ def varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *, max_seql
                     dq=None, dk=None, dv=None, alibi_slopes=None, **kwargs):
     """Gradients of varlen_forward, sequence by sequence through `backward`; lse (nheads, total_q)."""
     del max_seqlen_q, max_seqlen_k
+    kwargs.pop("workspace", None)
     kwargs.pop("dsum", None)
     grads = [np.zeros(x.shape, dtype=x.dtype) if g is None else g for x, g in ((q, dq), (k, dk), (v, dv))]
     for g in grads:

@@ -1,26 +1,33 @@
-"""Mirror of kernels_cu/flash_bwd.cu (and flash_bwd_simt.cu): the backward kernels in Numba-CUDA.
+"""Mirror of kernels_cu/flash_bwd.cu: the backward kernels in Numba-CUDA, for every dtype.
 
 Three kernels, launched in this order on one stream, with the same grids as the CUDA ones:
 
-    make_flash_bwd_preprocess(cfg): grid (ceil(seqlen_q / block_m), nheads, batch)
-        kernel(do, o, dsum, cu_seqlens_q, cu_seqlens_k)   dsum = D = rowsum(dO * O), acc_t, (batch, nheads, seqlen_q)
-    make_flash_bwd_dkdv(cfg):       grid (ceil(seqlen_k / block_n), nheads_k, batch)
-        kernel(q, k, v, do, lse, dsum, dk, dv, softmax_scale, scale_log2, *variant_args)
-    make_flash_bwd_dq(cfg):         grid (ceil(seqlen_q / block_m), nheads, batch)
-        kernel(q, k, v, do, lse, dsum, dq, softmax_scale, scale_log2, *variant_args)
+    make_flash_bwd_preprocess(cfg):  grid (ceil(seqlen_q / block_m), nheads, batch)
+        kernel(do, o, dsum, dq_accum, semaphore, cu_seqlens_q, cu_seqlens_k)
+    make_flash_bwd(cfg):             grid (nheads_k, batch, ceil(seqlen_k / block_n))
+        kernel(q, k, v, do, lse, dsum, dk, dv, dq_accum, semaphore, softmax_scale, scale_log2, *variant_args)
+    make_flash_bwd_postprocess(cfg): grid (ceil(seqlen_q / block_m), nheads, batch)
+        kernel(dq_accum, dq, softmax_scale, cu_seqlens_q, cu_seqlens_k)
 
 block (warps * 32,) for each; softmax_scale and scale_log2 as acc_t scalars and variant_args as for
-the forward (flash_fwd.py); with VARLEN every array is a packed (1, total, ...) view, dsum like lse,
-and the grids are sized by the longest sequences.
+the forward (flash_fwd.py). Workspace arrays, in acc_t (float64 for float64, else float32):
+dsum = D = rowsum(dO * O), (slabs, nheads, rows) like lse, and dq_accum (slabs, nheads, rows, head_dim),
+where dense slabs = batch, rows = seqlen_q and varlen slabs = 1, rows = total_q; semaphore int32
+(entries, nheads, blocks), one per query block of each sequence (deterministic mode). With VARLEN
+every array is a packed (1, total, ...) view and the grids are sized by the longest sequences.
 
-Variants as in flash_bwd.cu: the mask gives each kernel's loop range, S passes through score_mod and
-the mask before P is recomputed (exp2's scale from score_mod_init: the held units'), and a softcap multiplies
-dS by 1 - tanh^2. Dropout regenerates the forward's keep flags (one Philox call per score): dV takes
-the dropped P (a dropped entry is held as -P, as in flash_bwd.cu, and dV reads max(P, 0)), scaled by
-1 / (1 - p) at the store; dL/dP is dP / (1 - p) where kept and 0 where dropped.
-No atomics: dkdv loops over the group's query heads and the query blocks the mask gives, dq over the
-key blocks the mask gives,
-each accumulating in per-thread arrays, so the gradients are deterministic by construction.
+One pass over key blocks, as in flash_bwd.cu: flash_bwd owns one key block, loops over the group's
+query heads and the query blocks the mask gives, accumulates dK and dV in per-thread arrays and adds
+dQ's share dS K into dq_accum with atomic adds: as they come, or (DETERMINISTIC) in increasing
+key-block order, each dQ tile's turn kept by its semaphore. The preprocess zeroes dq_accum and the
+semaphores; the postprocess writes dQ = dq_accum * softmax_scale in the output dtype. fp32 / fp64 run
+these kernels too (the CUDA library runs flash_bwd_simt.cu's there; the prototype has no SIMT variant).
+
+Variants as in flash_bwd.cu: the mask gives each key block's query blocks, S passes through score_mod
+and the mask before P is recomputed (exp2's scale from score_mod_init: the held units'), and a softcap
+multiplies dS by 1 - tanh^2. Dropout regenerates the forward's keep flags (one Philox call per score):
+dV takes the dropped P (a dropped entry is held as -P, as in flash_bwd.cu, and dV reads max(P, 0)),
+scaled by 1 / (1 - p) at the store; dL/dP is dP / (1 - p) where kept and 0 where dropped.
 
 As in flash_fwd.py, tiles live in shared memory in acc_t and the MMAs are per-thread FMA loops
 marked `# CUDA: mma.sync`. Each thread computes the S / P / dS elements tid, tid + nthreads, ...
@@ -29,8 +36,7 @@ shared memory for the products that need whole rows or columns.
 
 Rows that saw no key have LSE = -inf; lse_to_log2_offset turns it into the offset +inf so that
 P = exp2(S * scale_log2 - LSE * log2(e)) comes out 0 (not exp2(+inf) or NaN) and every gradient they
-touch stays 0. dK/dV visit query heads and blocks in increasing order, dQ key blocks in increasing
-order, as flash_bwd.cu does.
+touch stays 0 (their dq_accum rows keep the preprocess's zeros).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ import math
 
 from numba import cuda, uint64
 
-from ..config import VARLEN, longest_first
+from ..config import DETERMINISTIC, VARLEN
 from .dropout import keep
 from .flash_fwd import acc_type, load_tile, thread_layout, variant_flags
 from .mask import m_block_range, n_block_range, needs_mask, score_mod, score_mod_init, visible
@@ -50,12 +56,12 @@ LOG2E = 1.4426950408889634  # log2(e), as in flash_bwd.cu
 
 
 def smem_bytes(cfg) -> int:
-    """Static shared memory of one backward prototype kernel (0 for the preprocess)."""
+    """Static shared memory of one backward prototype kernel (0 for the preprocess and postprocess)."""
     d, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
     e = 8 if cfg.dtype == "float64" else 4
-    if cfg.kernel == "flash_bwd_preprocess":
+    if cfg.kernel in ("flash_bwd_preprocess", "flash_bwd_postprocess"):
         return 0
-    # K, V tiles; Q, dO tiles; P/dS tile; LSE and D rows (dK/dV and dQ alike).
+    # K, V tiles; Q, dO tiles; P/dS tile; LSE and D rows.
     return ((2 * bn + 2 * bm) * d + bm * bn + 2 * bm) * e
 
 
@@ -68,16 +74,27 @@ def make_flash_bwd_preprocess(cfg):
     IS_VARLEN = bool(cfg.variant & VARLEN)
 
     @cuda.jit
-    def flash_bwd_preprocess(do, o, dsum, cu_seqlens_q, cu_seqlens_k):
-        # [1] Preprocess: D = rowsum(dO * O)
+    def flash_bwd_preprocess(do, o, dsum, dq_accum, semaphore, cu_seqlens_q, cu_seqlens_k):
+        # [1] Preprocess: D = rowsum(dO * O); zero the dQ accumulator and semaphores
         m_block = cuda.blockIdx.x
         head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
+        tid = cuda.threadIdx.x
         q_start, k_start, seqlen_q, seqlen_k = seq_info(IS_VARLEN, cu_seqlens_q, cu_seqlens_k, batch, o.shape[1], 0)
         bidx = batch_index(IS_VARLEN, batch)
         head_dim = o.shape[3]
+        # flash_bwd.cu zeroes semaphore m_block (its block_m is SEMAPHORE_ROWS, flash_bwd's a multiple);
+        # the prototype's flash_bwd tiles may be smaller (the backend's fit), so that it has more
+        # semaphores than this grid has blocks: a grid-stride loop zeroes them all.
+        if tid == 0:
+            for j in range(m_block, semaphore.shape[2], cuda.gridDim.x):
+                semaphore[batch, head, j] = 0
+        for e in range(tid, BLOCK_M * head_dim, NTHREADS):
+            row = m_block * BLOCK_M + e // head_dim
+            if row < seqlen_q:
+                dq_accum[bidx, head, q_start + row, e % head_dim] = 0
         # CUDA: one warp per row, lanes over head_dim, then warp_allreduce_sum; here one thread per row.
-        for r in range(cuda.threadIdx.x, BLOCK_M, NTHREADS):
+        for r in range(tid, BLOCK_M, NTHREADS):
             row = m_block * BLOCK_M + r
             if row < seqlen_q:
                 acc = ACC(0)
@@ -112,26 +129,29 @@ def load_lse_d(sLse, sD, lse, dsum, bidx, head, row_begin, q_start, seqlen_q, ti
 
 
 @functools.lru_cache(maxsize=None)
-def make_flash_bwd_dkdv(cfg):
+def make_flash_bwd(cfg):
     HEAD_DIM = cfg.head_dim
     BLOCK_M = cfg.block_m
     BLOCK_N = cfg.block_n
     NTHREADS = cfg.threads
     IS_LOCAL, IS_SOFTCAP, IS_ALIBI, IS_DROPOUT, IS_VARLEN, TRANSFORM = variant_flags(cfg)
+    IS_DETERMINISTIC = bool(cfg.variant & DETERMINISTIC)
     ACC = acc_type(cfg.dtype)
-    # dK, dV accumulators: a (block_n, head_dim) tile; S/P/dS: elements tid + i * NTHREADS.
+    # dK, dV accumulators: a (block_n, head_dim) tile; dQ's share: a (block_m, head_dim) tile;
+    # S/P/dS: elements tid + i * NTHREADS.
     TPR, ROW_STRIDE, RPT, CPT = thread_layout(BLOCK_N, HEAD_DIM, NTHREADS)
+    TPR_Q, ROW_STRIDE_Q, RPT_Q, CPT_Q = thread_layout(BLOCK_M, HEAD_DIM, NTHREADS)
     S_EPT = -(-(BLOCK_M * BLOCK_N) // NTHREADS)
     CAP_EPT = S_EPT if IS_SOFTCAP else 1  # the softcap derivative's tile
 
     @cuda.jit
-    def flash_bwd_dkdv(q, k, v, do, lse, dsum, dk, dv, softmax_scale, scale_log2, cu_seqlens_q, cu_seqlens_k,
-                       window_left, window_right, softcap, alibi_slopes, alibi_batch_stride, seed_lo, seed_hi,
-                       offset, dropout_threshold, dropout_scale):
-        # [2] dK/dV block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
-        n_block = cuda.blockIdx.x
-        head_k = cuda.blockIdx.y
-        batch = cuda.blockIdx.z
+    def flash_bwd(q, k, v, do, lse, dsum, dk, dv, dq_accum, semaphore, softmax_scale, scale_log2, cu_seqlens_q,
+                  cu_seqlens_k, window_left, window_right, softcap, alibi_slopes, alibi_batch_stride, seed_lo,
+                  seed_hi, offset, dropout_threshold, dropout_scale):
+        # [2] Block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
+        head_k = cuda.blockIdx.x
+        batch = cuda.blockIdx.y
+        n_block = cuda.blockIdx.z
         tid = cuda.threadIdx.x
         q_start, k_start, seqlen_q, seqlen_k = seq_info(IS_VARLEN, cu_seqlens_q, cu_seqlens_k, batch,
                                                         q.shape[1], k.shape[1])
@@ -148,6 +168,8 @@ def make_flash_bwd_dkdv(cfg):
                                                    BLOCK_M, BLOCK_N, n_block)
         row0 = tid // TPR
         lane = tid % TPR
+        row0_q = tid // TPR_Q
+        lane_q = tid % TPR_Q
 
         sK = cuda.shared.array((BLOCK_N, HEAD_DIM), ACC)
         sV = cuda.shared.array((BLOCK_N, HEAD_DIM), ACC)
@@ -264,7 +286,21 @@ def make_flash_bwd_dkdv(cfg):
                     if e < BLOCK_M * BLOCK_N:
                         r = e // BLOCK_N
                         sdS[r, e - r * BLOCK_N] = acc_dp[i]
-                cuda.syncthreads()
+                # DETERMINISTIC: this key block's turn at the dQ tile, once the key blocks n_first .. n_block - 1
+                # of its query block have added (each of them visits it: m_block_range and n_block_range agree)
+                turn = 0
+                if IS_DETERMINISTIC:
+                    n_first, _ = n_block_range(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k,
+                                               BLOCK_M, BLOCK_N, m_block)
+                    turn = n_block - n_first
+                    if tid == 0:
+                        # an atomic read (load_acquire in flash_bwd.cu): a plain load could be hoisted out of
+                        # the loop. Under the simulator blocks run one after another, np.ndindex order over
+                        # (nheads_k, batch, n_blocks): key blocks of a kv head in increasing order, so the
+                        # turns waited for have all been given when a block gets here.
+                        while cuda.atomic.add(semaphore, (batch, head, m_block), 0) != turn:
+                            pass
+                cuda.syncthreads()  # sdS (and the semaphore) for every thread
 
                 # [8] dK += dS^T Q
                 for i in range(RPT):
@@ -276,7 +312,25 @@ def make_flash_bwd_dkdv(cfg):
                             a += sdS[r, n] * sQ[r, c]
                         acc_dk[i, j] = a
 
-        # [9] Store dK * softmax_scale and dV
+                # [9] dQ_accum += dS K: fp32 atomic adds, in key-block order when deterministic
+                # (in acc_t: float64 for float64)
+                for i in range(RPT_Q):
+                    r = row0_q + i * ROW_STRIDE_Q
+                    row = row_begin + r
+                    for j in range(CPT_Q):
+                        c = lane_q + j * TPR_Q
+                        a = ACC(0)
+                        for n in range(BLOCK_N):  # CUDA: mma.sync
+                            a += sdS[r, n] * sK[n, c]
+                        if row < seqlen_q and c < head_dim:
+                            cuda.atomic.add(dq_accum, (bidx, head, q_start + row, c), a)
+                if IS_DETERMINISTIC:
+                    cuda.threadfence()  # the adds land before the next turn is given
+                    cuda.syncthreads()
+                    if tid == 0:
+                        cuda.atomic.exch(semaphore, (batch, head, m_block), turn + 1)  # store_release
+
+        # [10] Store dK * softmax_scale and dV
         # (dV times 1 / (1 - p) with dropout)
         for i in range(RPT):
             row = key_begin + row0 + i * ROW_STRIDE
@@ -290,135 +344,29 @@ def make_flash_bwd_dkdv(cfg):
                         else:
                             dv[bidx, k_start + row, head_k, c] = acc_dv[i, j]
 
-    return flash_bwd_dkdv
+    return flash_bwd
 
 
 @functools.lru_cache(maxsize=None)
-def make_flash_bwd_dq(cfg):
-    HEAD_DIM = cfg.head_dim
-    LONGEST_FIRST = longest_first(cfg.variant)  # mask.cuh query_block
+def make_flash_bwd_postprocess(cfg):
+    # As the preprocess: only dtype, block_m, warps and VARLEN.
     BLOCK_M = cfg.block_m
-    BLOCK_N = cfg.block_n
     NTHREADS = cfg.threads
-    IS_LOCAL, IS_SOFTCAP, IS_ALIBI, IS_DROPOUT, IS_VARLEN, TRANSFORM = variant_flags(cfg)
-    ACC = acc_type(cfg.dtype)
-    TPR, ROW_STRIDE, RPT, CPT = thread_layout(BLOCK_M, HEAD_DIM, NTHREADS)
-    S_EPT = -(-(BLOCK_M * BLOCK_N) // NTHREADS)
+    IS_VARLEN = bool(cfg.variant & VARLEN)
 
     @cuda.jit
-    def flash_bwd_dq(q, k, v, do, lse, dsum, dq, softmax_scale, scale_log2, cu_seqlens_q, cu_seqlens_k,
-                     window_left, window_right, softcap, alibi_slopes, alibi_batch_stride, seed_lo, seed_hi,
-                     offset, dropout_threshold, dropout_scale):
-        # [10] dQ block coordinates: m_block, head, batch; the mask gives the key blocks to visit
-        m_block = cuda.gridDim.x - 1 - cuda.blockIdx.x if LONGEST_FIRST else cuda.blockIdx.x
+    def flash_bwd_postprocess(dq_accum, dq, softmax_scale, cu_seqlens_q, cu_seqlens_k):
+        # [11] Postprocess: dQ = dQ_accum * softmax_scale in the input dtype
+        m_block = cuda.blockIdx.x
         head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
-        tid = cuda.threadIdx.x
-        q_start, k_start, seqlen_q, seqlen_k = seq_info(IS_VARLEN, cu_seqlens_q, cu_seqlens_k, batch,
-                                                        q.shape[1], k.shape[1])
-        row_begin = m_block * BLOCK_M
-        if row_begin >= seqlen_q:
-            return  # varlen: a shorter sequence than the grid's
+        q_start, k_start, seqlen_q, seqlen_k = seq_info(IS_VARLEN, cu_seqlens_q, cu_seqlens_k, batch, dq.shape[1], 0)
         bidx = batch_index(IS_VARLEN, batch)
-        nheads = q.shape[2]
-        head_dim = q.shape[3]
-        nheads_k = k.shape[2]
-        head_k = head // (nheads // nheads_k)  # GQA
-        shift = seqlen_k - seqlen_q
-        n_block_min, n_block_end = n_block_range(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k,
-                                                 BLOCK_M, BLOCK_N, m_block)
-        # ScoreMod of this (batch, head): the transform's constants and exp2's scale (score_mod_init)
-        slope = alibi_slopes[batch * alibi_batch_stride + head] if IS_ALIBI else ACC(0)
-        _, tanh_in, bias, score_log2 = score_mod_init(IS_SOFTCAP, softmax_scale, softcap, slope, scale_log2,
-                                                      ACC(LOG2E))
-        bh = uint64(batch * nheads + head)  # dropout: Philox counter word 2
-        row0 = tid // TPR
-        lane = tid % TPR
-
-        sQ = cuda.shared.array((BLOCK_M, HEAD_DIM), ACC)
-        sdO = cuda.shared.array((BLOCK_M, HEAD_DIM), ACC)
-        sK = cuda.shared.array((BLOCK_N, HEAD_DIM), ACC)
-        sV = cuda.shared.array((BLOCK_N, HEAD_DIM), ACC)
-        sdS = cuda.shared.array((BLOCK_M, BLOCK_N), ACC)
-        sLse = cuda.shared.array(BLOCK_M, ACC)  # LSE * log2(e): exp2 offsets
-        sD = cuda.shared.array(BLOCK_M, ACC)
-
-        acc_s = cuda.local.array(S_EPT, ACC)
-        acc_dp = cuda.local.array(S_EPT, ACC)
-        acc_dq = cuda.local.array((RPT, CPT), ACC)
-        for i in range(RPT):
-            for j in range(CPT):
-                acc_dq[i, j] = 0
-
-        # Q, dO tiles and LSE, D rows of this query block, loaded once.
-        load_tile(sQ, q, bidx, q_start + row_begin, head, q_start + seqlen_q, head_dim, tid, NTHREADS)
-        load_tile(sdO, do, bidx, q_start + row_begin, head, q_start + seqlen_q, head_dim, tid, NTHREADS)
-        load_lse_d(sLse, sD, lse, dsum, bidx, head, row_begin, q_start, seqlen_q, tid, NTHREADS)
-
-        for n_block in range(n_block_min, n_block_end):
-            key0 = n_block * BLOCK_N
-            cuda.syncthreads()  # the previous key block is done with sK, sV, sdS
-            load_tile(sK, k, bidx, k_start + key0, head_k, k_start + seqlen_k, head_dim, tid, NTHREADS)
-            load_tile(sV, v, bidx, k_start + key0, head_k, k_start + seqlen_k, head_dim, tid, NTHREADS)
-            cuda.syncthreads()
-
-            # [11] Recompute S, P and dS = P * (dO V^T - D) for one key block
-            # Dropout: dL/dP = dO V^T / (1 - p) where kept, 0 where dropped. Score modifiers and mask on
-            # S; dS times the softcap's 1 - tanh^2.
-            masked = needs_mask(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N,
-                                m_block, n_block)
-            for i in range(S_EPT):
-                e = tid + i * NTHREADS
-                if e < BLOCK_M * BLOCK_N:
-                    r = e // BLOCK_N
-                    c = e - r * BLOCK_N
-                    row = row_begin + r
-                    col = key0 + c
-                    s = ACC(0)
-                    dp = ACC(0)
-                    for d in range(HEAD_DIM):  # CUDA: mma.sync (two of them: Q K^T and dO V^T)
-                        s += sQ[r, d] * sK[c, d]
-                        dp += sdO[r, d] * sV[c, d]
-                    acc_s[i] = s
-                    acc_dp[i] = dp
-                    if IS_DROPOUT:
-                        if keep(seed_lo, seed_hi, bh, offset, dropout_threshold, row, col):
-                            acc_dp[i] = dp * dropout_scale
-                        else:
-                            acc_dp[i] = 0
-                    dcap = ACC(1)
-                    if TRANSFORM:
-                        x, dc = score_mod(IS_SOFTCAP, IS_ALIBI, tanh_in, bias, shift, acc_s[i], row, col)
-                        acc_s[i] = x
-                        dcap = dc
-                    if masked:
-                        if not visible(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, row, col):
-                            acc_s[i] = -math.inf
-                    acc_s[i] = math.exp2(acc_s[i] * score_log2 - sLse[r])
-                    if IS_SOFTCAP:
-                        acc_dp[i] = acc_s[i] * (acc_dp[i] - sD[r]) * dcap  # now dS
-                    else:
-                        acc_dp[i] = acc_s[i] * (acc_dp[i] - sD[r])
-                    sdS[r, c] = acc_dp[i]
-            cuda.syncthreads()
-
-            # [12] dQ += dS K
-            for i in range(RPT):
-                r = row0 + i * ROW_STRIDE
-                for j in range(CPT):
-                    c = lane + j * TPR
-                    a = acc_dq[i, j]
-                    for n in range(BLOCK_N):  # CUDA: mma.sync
-                        a += sdS[r, n] * sK[n, c]
-                    acc_dq[i, j] = a
-
-        # [13] Store dQ * softmax_scale
-        for i in range(RPT):
-            row = row_begin + row0 + i * ROW_STRIDE
+        head_dim = dq.shape[3]
+        for e in range(cuda.threadIdx.x, BLOCK_M * head_dim, NTHREADS):
+            row = m_block * BLOCK_M + e // head_dim
             if row < seqlen_q:
-                for j in range(CPT):
-                    c = lane + j * TPR
-                    if c < head_dim:
-                        dq[bidx, q_start + row, head, c] = acc_dq[i, j] * softmax_scale
+                c = e % head_dim
+                dq[bidx, q_start + row, head, c] = dq_accum[bidx, head, q_start + row, c] * softmax_scale
 
-    return flash_bwd_dq
+    return flash_bwd_postprocess
