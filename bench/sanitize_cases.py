@@ -1,8 +1,8 @@
 """A tiny sweep of the CUDA kernels for compute-sanitizer (bench/sanitize.sh runs it under memcheck
 and racecheck): odd lengths, seqlen_k of 0 and 1, causal rows that see no key, every dtype, head
-dims 40 / 64 / 128 / 256, GQA, forward and backward, through the public API with backend="cuda";
-then the attention variants (window, softcap, ALiBi, dropout) on packed varlen batches with an
-empty sequence, every dtype.
+dims 40 / 64 / 128 / 256, GQA, forward and backward (deterministic=True: the dQ semaphores), through
+the public API with backend="cuda"; then the attention variants (window, softcap, ALiBi, dropout) on
+packed varlen batches with an empty sequence, every dtype (the backward's atomic dQ adds).
 
     python3 bench/sanitize_cases.py [--quick]
 

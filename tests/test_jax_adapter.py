@@ -335,7 +335,7 @@ def test_host_backend_on_device_buffers_copies_results():
     """backend='numpy' forced on device buffers: cuflash writes no device out=, so the results are
     copied into the output buffers (NumPy arrays stand in for them here)."""
     q, k, v, w = make(1, 30, 30, 2, 2, 16, seed=10)
-    opts = cfj._options(16, True, None, (-1, -1), 0.0, 0.0, 0, 0, "numpy")
+    opts = cfj._options(16, True, None, (-1, -1), 0.0, 0.0, 0, 0, "numpy", False)
     o, lse = np.full_like(q, np.nan), np.full((1, 2, 30), np.nan, np.float32)
     cfj._forward_into(opts, [o, lse], q, k, v, None, None, None, on_device=True)
     o_np, lse_np = cuflash.flash_attn_forward(q, k, v, causal=True, backend="numpy")
@@ -398,6 +398,8 @@ def test_bad_varlen_input():
         f(q[None], k, v, cu_q, cu_k, 5, 6)
     with pytest.raises(TypeError, match="max_seqlen_k: expected an int"):
         jax.jit(lambda q: f(q, k, v, cu_q, cu_k, 5, 6.0))(jnp.asarray(q))
+    with pytest.raises(TypeError, match="deterministic"):
+        f(q, k, v, cu_q, cu_k, 5, 6, deterministic=1)
 
 
 def test_forced_cuda_backend_without_gpu():

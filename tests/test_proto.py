@@ -72,7 +72,7 @@ BWD_KERNELS = ("flash_bwd_preprocess", "flash_bwd", "flash_bwd_postprocess")
 
 # flash_bwd's deterministic mode (semaphores: each dQ tile's adds in key-block order) and its atomic adds:
 # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, (cfg head_dim, block_m, block_n, warps),
-# variants). GQA (two query heads per key block) and a window whose query blocks start at n_first > 0.
+# variants). GQA (two query heads per key block) and a window whose query blocks start at key blocks > 0.
 DETERMINISTIC_CASE = (1, 40, 40, 2, 1, 8, "float32", (8, 16, 16, 1), {"window": (5, -1)})
 DETERMINISTIC_RUNS = 3
 
@@ -570,7 +570,8 @@ def test_gpu_numba_vs_cuda(causal, dtype):
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_numba_deterministic_and_stream():
-    """Bitwise-identical gradients across calls, on a non-default CuPy stream."""
+    """deterministic=True: bitwise-identical gradients across calls (the semaphores on real hardware), on a
+    non-default CuPy stream."""
     import cupy
 
     from cuflash import api
@@ -578,8 +579,8 @@ def test_gpu_numba_deterministic_and_stream():
     q, k, v, do = (cupy.asarray(x) for x in _inputs(5, 1, 130, 170, 4, 2, 64, "float32"))
     with cupy.cuda.Stream(non_blocking=True):
         o, lse = api.flash_attn_forward(q, k, v, causal=True, backend="numba")
-        g1 = api.flash_attn_backward(do, q, k, v, o, lse, causal=True, backend="numba")
-        g2 = api.flash_attn_backward(do, q, k, v, o, lse, causal=True, backend="numba")
+        g1 = api.flash_attn_backward(do, q, k, v, o, lse, causal=True, backend="numba", deterministic=True)
+        g2 = api.flash_attn_backward(do, q, k, v, o, lse, causal=True, backend="numba", deterministic=True)
         cupy.cuda.get_current_stream().synchronize()
     for a, b in zip(g1, g2):
         assert bool(cupy.all(a == b))

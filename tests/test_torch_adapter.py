@@ -119,10 +119,10 @@ def test_varlen_matches_dense_per_sequence():
 
 
 @pytest.mark.parametrize("op, args", [
-    ("forward", lambda q, k, v: (q, k, v, True, None, -1, -1, 0.0, None, 0.0, 0, 0, "numpy")),
+    ("forward", lambda q, k, v: (q, k, v, True, None, -1, -1, 0.0, None, 0.0, 0, 0, "numpy", False)),
     # the backward op has no double backward: its inputs do not require grad
     ("backward", lambda q, k, v: (q, q, k, v, q, torch.zeros(q.shape[0], q.shape[2], q.shape[1], dtype=q.dtype),
-                                  True, 0.5, -1, -1, 0.0, None, 0.0, 0, 0, "numpy")),
+                                  True, 0.5, -1, -1, 0.0, None, 0.0, 0, 0, "numpy", True)),
 ])
 def test_opcheck(op, args):
     """Schema, fake tensors (shapes, dtypes, strides), autograd registration, AOT dispatch."""
@@ -135,7 +135,7 @@ def test_opcheck_varlen():
     cu = torch.tensor([0, 4, 9], dtype=torch.int32)
     q, k, v = (torch.randn(9, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
     res = torch.library.opcheck(torch.ops.cuflash.varlen_forward.default,
-                                (q, k, v, cu, cu, 5, 5, True, None, -1, -1, 0.0, None, 0.0, 0, 0, "numpy"))
+                                (q, k, v, cu, cu, 5, 5, True, None, -1, -1, 0.0, None, 0.0, 0, 0, "numpy", False))
     assert all(r == "SUCCESS" for r in res.values()), res
 
 
@@ -177,6 +177,8 @@ def test_bad_input_keeps_cuflash_messages():
         ct.flash_attn_func(q, k, v, softcap=-1.0, backend="numpy")
     with pytest.raises(ValueError, match="shapes must be equal"):
         ct.flash_attn_func(q, k[..., :4], v, backend="numpy")
+    with pytest.raises(TypeError, match="deterministic"):
+        ct.flash_attn_func(q, k, v, deterministic="yes", backend="numpy")
 
 
 # --- on the GPU -------------------------------------------------------------------------------------

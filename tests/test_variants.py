@@ -188,7 +188,7 @@ def _proto_mask_rules() -> dict:
 def test_block_ranges_agree():
     """Query block m is in m_block_range(n) exactly when key block n is in n_block_range(m) (mask.cuh's
     rules, through proto/mask.py). flash_bwd's deterministic mode relies on it: key block n waits until
-    the key blocks n_first .. n - 1 of n_block_range(m) have added into dQ tile m, each of which must
+    the key blocks n + 1 .. n_end - 1 of n_block_range(m) have added into dQ tile m, each of which must
     visit m (its m_block_range), and every key block that visits m must be counted."""
     rules = _proto_mask_rules()
     U = rules["UNBOUNDED"]

@@ -350,8 +350,6 @@ def backward(do, q, k, v, o, lse, *, causal, softmax_scale, deterministic=False,
     that repeated calls are bitwise identical; else atomic adds as they come. workspace, when given, is
     the API's 1-D device workspace (cuflash/_params.py workspace_layout): D is written at its front; the
     dQ accumulator and semaphores are allocated here."""
-    # api.py passes dsum= until it passes workspace=: ignored (D is made here then)
-    variants.pop("dsum", None)
     return _backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
                      dq=dq, dk=dk, dv=dv, workspace=workspace, varlen=varlen, **variants)
 

@@ -197,16 +197,15 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, lse=None, bl
 
 
 def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, deterministic=False,
-             dq=None, dk=None, dv=None, workspace=None, dsum=None, block_m=BLOCK_M, block_n=BLOCK_N,
+             dq=None, dk=None, dv=None, workspace=None, block_m=BLOCK_M, block_n=BLOCK_N,
              window=_mask.NO_WINDOW, softcap=0.0, alibi_slopes=None,
             dropout_p=0.0, seed=0, offset=0, batch_index=0):
     """(dq, dk, dv) in the input dtype, bshd contiguous, or written into the given dq / dk / dv.
     Always deterministic: dQ's shares are added in key-block order, as flash_bwd.cu's DETERMINISTIC
-    mode does. workspace (and dsum, which api.py passes until it passes workspace) is not used: D and
-    the dQ accumulator live here in the grouped layout. The variant arguments are forward's; dropout
+    mode does. workspace is not used: D and the dQ accumulator live here in the grouped layout. The variant arguments are forward's; dropout
     regenerates the forward's mask."""
     dq_out, dk_out, dv_out = dq, dk, dv
-    del deterministic, workspace, dsum
+    del deterministic, workspace
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     group = nheads // nheads_k

@@ -18,8 +18,8 @@ every array is a packed (1, total, ...) view and the grids are sized by the long
 
 One pass over key blocks, as in flash_bwd.cu: flash_bwd owns one key block, loops over the group's
 query heads and the query blocks the mask gives, accumulates dK and dV in per-thread arrays and adds
-dQ's share dS K into dq_accum with atomic adds: as they come, or (DETERMINISTIC) in increasing
-key-block order, each dQ tile's turn kept by its semaphore. The preprocess zeroes dq_accum and the
+dQ's share dS K into dq_accum with atomic adds: as they come, or (DETERMINISTIC) in a fixed order of
+key blocks, last to first (the launch order too), each dQ tile's turn kept by its semaphore. The preprocess zeroes dq_accum and the
 semaphores; the postprocess writes dQ = dq_accum * softmax_scale in the output dtype. fp32 / fp64 run
 these kernels too (the CUDA library runs flash_bwd_simt.cu's there; the prototype has no SIMT variant).
 
@@ -151,7 +151,9 @@ def make_flash_bwd(cfg):
         # [2] Block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
         head_k = cuda.blockIdx.x
         batch = cuda.blockIdx.y
-        n_block = cuda.blockIdx.z
+        # DETERMINISTIC: key blocks launch last to first, the order they add in (a block waits only on
+        # blocks launched before it)
+        n_block = cuda.gridDim.z - 1 - cuda.blockIdx.z if IS_DETERMINISTIC else cuda.blockIdx.z
         tid = cuda.threadIdx.x
         q_start, k_start, seqlen_q, seqlen_k = seq_info(IS_VARLEN, cu_seqlens_q, cu_seqlens_k, batch,
                                                         q.shape[1], k.shape[1])
@@ -286,17 +288,17 @@ def make_flash_bwd(cfg):
                     if e < BLOCK_M * BLOCK_N:
                         r = e // BLOCK_N
                         sdS[r, e - r * BLOCK_N] = acc_dp[i]
-                # DETERMINISTIC: this key block's turn at the dQ tile, once the key blocks n_first .. n_block - 1
+                # DETERMINISTIC: this key block's turn at the dQ tile, once the key blocks n_block + 1 .. n_end - 1
                 # of its query block have added (each of them visits it: m_block_range and n_block_range agree)
                 turn = 0
                 if IS_DETERMINISTIC:
-                    n_first, _ = n_block_range(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k,
-                                               BLOCK_M, BLOCK_N, m_block)
-                    turn = n_block - n_first
+                    _, n_end = n_block_range(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k,
+                                             BLOCK_M, BLOCK_N, m_block)
+                    turn = n_end - 1 - n_block
                     if tid == 0:
                         # an atomic read (load_acquire in flash_bwd.cu): a plain load could be hoisted out of
                         # the loop. Under the simulator blocks run one after another, np.ndindex order over
-                        # (nheads_k, batch, n_blocks): key blocks of a kv head in increasing order, so the
+                        # (nheads_k, batch, n_blocks): key blocks of a kv head from last to first, so the
                         # turns waited for have all been given when a block gets here.
                         while cuda.atomic.add(semaphore, (batch, head, m_block), 0) != turn:
                             pass
