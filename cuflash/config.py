@@ -164,6 +164,12 @@ _TILES_HEAVY: dict[str, dict[int, tuple[int, int, int]]] = {
     "flash_bwd_dkdv_simt": {64: (32, 32, 4)},
 }
 
+# flash_bwd where its grid would leave most SMs idle (fewer blocks than half of them, e.g. B=2 H=8 N=512 at
+# d=128: 64 blocks of 64 x 128 on 132 SMs): a tile that makes twice as many blocks. Measured on the H200
+# (bench/RESULTS.md, 2026-12-01, causal): N=512 takes 0.056 ms with it, 0.069 without. Not for the variants
+# with registers of their own (HEAVY: _TILES_HEAVY's tiles already are small).
+_TILES_SMALL_GRID = {"flash_bwd": {32: (64, 64, 4), 64: (64, 64, 4), 96: (64, 64, 4), 128: (64, 64, 4)}}
+
 # flash_bwd_preprocess and flash_bwd_postprocess: (block_m, warps), whatever the head dim (they take none).
 _PREPROCESS_TILE = (64, 4)
 # DETERMINISTIC: one dQ semaphore per SEMAPHORE_ROWS query rows, as many as preprocess blocks (preprocess
@@ -258,8 +264,10 @@ def choose_forward(dtype, head_dim: int, variant: int) -> KernelConfig:
     return _make(kernel, dt, head_dim, variant & ~BACKWARD_ONLY)
 
 
-def choose_backward(dtype, head_dim: int, variant: int) -> tuple[KernelConfig, KernelConfig, KernelConfig]:
-    """The three launches of one backward call, in order.
+def choose_backward(dtype, head_dim: int, variant: int, *, key_slabs: int = 0, seqlen_k: int = 0,
+                    sms: int = 0) -> tuple[KernelConfig, KernelConfig, KernelConfig]:
+    """The three launches of one backward call, in order. key_slabs (batch * nheads_k), seqlen_k and sms
+    (the GPU's multiprocessors), where given, let a small problem take _TILES_SMALL_GRID's tile.
 
     fp16 / bf16: (flash_bwd_preprocess, flash_bwd, flash_bwd_postprocess): D and a zeroed fp32 dQ
     accumulator; one pass over key blocks (dK, dV, and dQ added into the accumulator); dQ converted.
@@ -271,7 +279,11 @@ def choose_backward(dtype, head_dim: int, variant: int) -> tuple[KernelConfig, K
     if dt not in TENSOR_CORE_DTYPES:
         variant &= ~DETERMINISTIC
         return pre, _make("flash_bwd_dkdv_simt", dt, head_dim, variant), _make("flash_bwd_dq_simt", dt, head_dim, variant)
-    return pre, _make("flash_bwd", dt, head_dim, variant), _per_row("flash_bwd_postprocess", dt, variant)
+    main = _make("flash_bwd", dt, head_dim, variant)
+    small = _TILES_SMALL_GRID["flash_bwd"].get(main.head_dim)
+    if small and not variant & HEAVY and key_slabs * ceil_div(seqlen_k, main.block_n) < sms // 2:
+        main = dataclasses.replace(main, block_m=small[0], block_n=small[1], warps=small[2])
+    return pre, main, _per_row("flash_bwd_postprocess", dt, variant)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,13 +324,14 @@ GATED_FORWARD_VARIANTS = (SEQUSED | PAGED, KVCACHE_VARIANTS & ~PAGED, KVCACHE_VA
 
 
 def all_configs() -> list[KernelConfig]:
-    """The configs the compile gate checks and `cuflash compile` builds (GATED_VARIANTS, and
-    GATED_FORWARD_VARIANTS for the forward)."""
+    """The configs the compile gate checks and `cuflash compile` builds (GATED_VARIANTS, with the backward's
+    small-grid tiles, and GATED_FORWARD_VARIANTS for the forward)."""
     out: list[KernelConfig] = []
     for dt in DTYPES:
         for d in HEAD_DIMS:
             for variant in GATED_VARIANTS:
-                cfgs = [choose_forward(dt, d, variant), *choose_backward(dt, d, variant)]
+                cfgs = [choose_forward(dt, d, variant), *choose_backward(dt, d, variant),
+                        choose_backward(dt, d, variant, key_slabs=1, seqlen_k=1, sms=1 << 20)[1]]  # small grids
                 out.extend(c for c in cfgs if c not in out)
             out.extend(c for c in (choose_forward(dt, d, v) for v in GATED_FORWARD_VARIANTS) if c not in out)
     return out

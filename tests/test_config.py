@@ -53,6 +53,21 @@ def test_backward_configs():
     assert config.choose_forward("float16", 64, config.DETERMINISTIC).variant == 0
 
 
+def test_small_grids_take_the_small_backward_tile():
+    """flash_bwd takes _TILES_SMALL_GRID's tile where its grid (batch * nheads_k key blocks per head) has
+    fewer blocks than half the SMs, and never for the HEAVY variants or the SIMT kernels."""
+    big = config.choose_backward("bfloat16", 128, config.LOCAL)[1]
+    assert (big.block_m, big.block_n, big.warps) == (64, 128, 8)
+    small = config.choose_backward("bfloat16", 128, config.LOCAL, key_slabs=16, seqlen_k=512, sms=132)[1]
+    assert (small.block_m, small.block_n, small.warps, small.variant) == (64, 64, 4, config.LOCAL)
+    assert config.choose_backward("bfloat16", 128, config.LOCAL, key_slabs=16, seqlen_k=1024, sms=132)[1] == big
+    heavy = config.choose_backward("float16", 128, config.ALIBI)[1]
+    assert config.choose_backward("float16", 128, config.ALIBI, key_slabs=1, seqlen_k=64, sms=132)[1] == heavy
+    simt = config.choose_backward("float32", 64, 0)[1]
+    assert config.choose_backward("float32", 64, 0, key_slabs=1, seqlen_k=64, sms=132)[1] == simt
+    assert small in config.all_configs()  # compiled by `cuflash compile`, checked by the compile gate
+
+
 def test_semaphores_cover_every_query_block():
     """flash_bwd uses semaphore m_block of (entry, head); preprocess block i zeroes semaphore i, so flash_bwd's
     block_m must be a multiple of SEMAPHORE_ROWS (its blocks are then no more than the preprocess's)."""

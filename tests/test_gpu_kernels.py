@@ -212,6 +212,21 @@ def test_bitwise_reproducible(gpu, dtype, b, sq, sk, h, hk, d, causal, n_fwd, n_
     assert not fails, f"[{ctx}]\n  " + "\n  ".join(fails[:20])
 
 
+@pytest.mark.parametrize("dtype,b,s,h,d", [("bfloat16", 2, 512, 8, 128), ("bfloat16", 2, 1024, 8, 128),
+                                           ("float16", 2, 1024, 8, 64)])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_tile_by_grid(gpu, dtype, b, s, h, d, deterministic):
+    """The backward's tile depends on the grid (config._TILES_SMALL_GRID): B=2 H=8 N=512 d=128 takes the small
+    tile on a GPU with >= 66 SMs, N=1024 the large one; both judged by the accuracy rule, atomic and ordered."""
+    from cuflash import config
+    from cuflash.backends import cuda
+
+    main = config.choose_backward(dtype, d, config.LOCAL, key_slabs=b * h, seqlen_k=s, sms=cuda._multiprocessors())[1]
+    if cuda._multiprocessors() >= 66 and s == 512:
+        assert main.block_n == 64, main
+    _run_case(gpu, dtype, b, s, s, h, h, d, True, None, deterministic=deterministic)
+
+
 # ------------------------------------------------------------------------------------------------
 # Compile cache, streams, memory
 # ------------------------------------------------------------------------------------------------
@@ -237,7 +252,11 @@ def test_compile_cache_reuses_kernels(gpu, monkeypatch):
     assert not built, f"second call of the same configs built {len(built)} new RawModule(s): {built}"
     assert len(_compile._kernels) == n_kernels, f"kernel cache grew {n_kernels} -> {len(_compile._kernels)}"
     assert len(_compile._modules) == n_modules, f"module cache grew {n_modules} -> {len(_compile._modules)}"
-    cfgs = [config.choose_forward(dtype, d, causal), *config.choose_backward(dtype, d, causal)]
+    from cuflash.backends import cuda
+
+    # the first call's configs (a small grid: the backward's small-grid tile, config._TILES_SMALL_GRID)
+    cfgs = [config.choose_forward(dtype, d, causal),
+            *config.choose_backward(dtype, d, causal, key_slabs=2 * 2, seqlen_k=130, sms=cuda._multiprocessors())]
     cached = {key[0] for key in _compile._kernels}
     for cfg in cfgs:
         assert cfg in cached, f"{cfg.template_name} not in the kernel cache after use"

@@ -50,6 +50,8 @@ CASES = [
     ("every-variant", "float16", 2, 333, 333, 4, 2, 160,
      dict(causal=True, window=(60, 0), softcap=4.0, alibi_slopes="bh", dropout_p=0.15, seed=1, varlen=True)),
     ("window-long", "bfloat16", 1, 2048, 2048, 2, 2, 64, dict(window=(128, 128))),
+    # enough key blocks for the backward's large tile (the small-grid rule gives the small cases another)
+    ("window-wide-grid", "float16", 4, 1024, 1024, 8, 4, 128, dict(window=(100, 50))),
 ]
 
 
@@ -210,8 +212,8 @@ def test_dropout_keep_mask_is_the_specified_one(gpu, dtype):
 
 # deterministic=True: the dQ adds in key-block order, each dQ tile's turn from a semaphore, counted from the
 # first key block the mask gives its query block; windows, GQA and varlen move that first block.
-DETERMINISTIC_CASES = [c for c in CASES if c[0] in ("window", "window-left-causal", "all-gqa-varlen", "window-long")
-                       and c[1] in ("bfloat16", "float16")]
+DETERMINISTIC_CASES = [c for c in CASES if c[0] in ("window", "window-left-causal", "all-gqa-varlen", "window-long",
+                                                    "window-wide-grid") and c[1] in ("bfloat16", "float16")]
 
 
 @pytest.mark.parametrize("name,dtype,b,sq,sk,h,hk,d,kw",

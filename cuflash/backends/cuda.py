@@ -7,6 +7,7 @@ keeps one per call signature and patches only the array pointers into its bytes 
 
 from __future__ import annotations
 
+import functools
 import struct
 import threading
 
@@ -109,11 +110,12 @@ def backward_launches(do, q, k, v, o, lse, dq, dk, dv, workspace, *, causal: boo
     """The backward's three launches (config.choose_backward); workspace: a device array of at least
     _params.workspace_layout(q, varlen, deterministic).nbytes."""
     d, h, hk = q.shape[3], q.shape[2], k.shape[2]
-    cfgs = choose_backward(q.dtype, d, _params.variant(causal, varlen, deterministic=deterministic, **variants))
     p = _params.bwd_params(do, q, k, v, o, lse, dq, dk, dv, workspace, softmax_scale, causal, varlen, deterministic,
                            **variants)
     b, sq, sk = int(p["fwd"]["batch"]), int(p["fwd"]["seqlen_q"]), int(p["fwd"]["seqlen_k"])
     check_batch(b)
+    cfgs = choose_backward(q.dtype, d, _params.variant(causal, varlen, deterministic=deterministic, **variants),
+                           key_slabs=b * hk, seqlen_k=sk, sms=_multiprocessors())
 
     def grid(cfg):
         if cfg.kernel == "flash_bwd":  # key blocks slowest (flash_bwd.cu; reversed when deterministic)
@@ -123,6 +125,20 @@ def backward_launches(do, q, k, v, o, lse, dq, dk, dv, workspace, *, causal: boo
         return ceil_div(sq, cfg.block_m), h, b
 
     return Launches(p, [(cfg, grid(cfg)) for cfg in cfgs])
+
+
+@functools.lru_cache(maxsize=None)
+def _device_multiprocessors(device: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
+
+
+def _multiprocessors() -> int:
+    """SMs of the current device (what a grid has to fill)."""
+    from cupy.cuda import runtime
+
+    return _device_multiprocessors(runtime.getDevice())
 
 
 def _current_stream() -> int:
