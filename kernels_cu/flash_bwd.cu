@@ -274,203 +274,203 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
             if (tid == 0) seen = load_acquire(semaphore);
         }
 
-            // [4] Recompute S = Q K^T, score modifiers, mask, P = exp2(S * scale_log2 - LSE * log2(e))
-            // Computed as S^T = K Q^T: acc_s[ni][2h + e] is key key_row0 + g + 8h,
-            // query q_col0 + 8*ni + 2t + e (C layout).
-            float acc_s[kNTilesQ][4];
+        // [4] Recompute S = Q K^T, score modifiers, mask, P = exp2(S * scale_log2 - LSE * log2(e))
+        // Computed as S^T = K Q^T: acc_s[ni][2h + e] is key key_row0 + g + 8h,
+        // query q_col0 + 8*ni + 2t + e (C layout).
+        float acc_s[kNTilesQ][4];
 #pragma unroll
-            for (int ni = 0; ni < kNTilesQ; ++ni)
+        for (int ni = 0; ni < kNTilesQ; ++ni)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) acc_s[ni][e] = 0.f;
+            for (int e = 0; e < 4; ++e) acc_s[ni][e] = 0.f;
 #pragma unroll
-            for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-                unsigned a[4];  // K rows key_row0 + {g, g+8}, dims 16*ks + {2t,2t+1,2t+8,2t+9}
-                ldmatrix_x4(a, k_a + ks * 16 * sizeof(T));
+        for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+            unsigned a[4];  // K rows key_row0 + {g, g+8}, dims 16*ks + {2t,2t+1,2t+8,2t+9}
+            ldmatrix_x4(a, k_a + ks * 16 * sizeof(T));
 #pragma unroll
-                for (int np = 0; np < kNTilesQ / 2; ++np) {
-                    unsigned b[4];  // {b0,b1} of queries 16*np + g, then of 16*np + 8 + g (k = dims)
-                    ldmatrix_x4(b, q_b + qo_buf + (np * 16 * kPitch + ks * 16) * sizeof(T));
-                    mma_16816<T>(acc_s[2 * np], a, b[0], b[1]);
-                    mma_16816<T>(acc_s[2 * np + 1], a, b[2], b[3]);
-                }
+            for (int np = 0; np < kNTilesQ / 2; ++np) {
+                unsigned b[4];  // {b0,b1} of queries 16*np + g, then of 16*np + 8 + g (k = dims)
+                ldmatrix_x4(b, q_b + qo_buf + (np * 16 * kPitch + ks * 16) * sizeof(T));
+                mma_16816<T>(acc_s[2 * np], a, b[0], b[1]);
+                mma_16816<T>(acc_s[2 * np + 1], a, b[2], b[3]);
             }
-            float dcap[kNTilesCap][4];  // d logit / d(scale * S): the softcap's 1 - tanh^2
-            if constexpr ((kVariant & kSoftcap) != 0) {
-                for_each_score_t<kNTilesQ>(key_begin + key_row0, row_begin + q_col0, lane,
-                                           [&](float& x, float& dc, int row, int col) { x = mod.apply(x, row, col, dc); },
-                                           acc_s, dcap);
-            } else if constexpr (Mod::kTransform) {
-                for_each_score_t<kNTilesQ>(key_begin + key_row0, row_begin + q_col0, lane, [&](float& x, int row, int col) {
-                    float dc;
-                    x = mod.apply(x, row, col, dc);
-                }, acc_s);
-            }
-            if (mask.template needs_mask<kBlockM, kBlockN>(m_block, n_block)) {
-                // d >= 128: lane through recompute, so that the walk's row / column offsets are not kept
-                // across the loop (without it d = 128 spills; with it d = 32 does: the compile gate)
-                for_each_score_t<kNTilesQ>(key_begin + key_row0, row_begin + q_col0,
-                                           kHeadDim >= 128 ? recompute(lane) : lane,
-                                           [&](float& x, int row, int col) {
-                    if (!mask.visible(row, col)) x = neg_inf<float>();
-                }, acc_s);
-            }
+        }
+        float dcap[kNTilesCap][4];  // d logit / d(scale * S): the softcap's 1 - tanh^2
+        if constexpr ((kVariant & kSoftcap) != 0) {
+            for_each_score_t<kNTilesQ>(key_begin + key_row0, row_begin + q_col0, lane,
+                                       [&](float& x, float& dc, int row, int col) { x = mod.apply(x, row, col, dc); },
+                                       acc_s, dcap);
+        } else if constexpr (Mod::kTransform) {
+            for_each_score_t<kNTilesQ>(key_begin + key_row0, row_begin + q_col0, lane, [&](float& x, int row, int col) {
+                float dc;
+                x = mod.apply(x, row, col, dc);
+            }, acc_s);
+        }
+        if (mask.template needs_mask<kBlockM, kBlockN>(m_block, n_block)) {
+            // d >= 128: lane through recompute, so that the walk's row / column offsets are not kept
+            // across the loop (without it d = 128 spills; with it d = 32 does: the compile gate)
+            for_each_score_t<kNTilesQ>(key_begin + key_row0, row_begin + q_col0,
+                                       kHeadDim >= 128 ? recompute(lane) : lane,
+                                       [&](float& x, int row, int col) {
+                if (!mask.visible(row, col)) x = neg_inf<float>();
+            }, acc_s);
+        }
 #pragma unroll
-            for (int ni = 0; ni < kNTilesQ; ++ni)
+        for (int ni = 0; ni < kNTilesQ; ++ni)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float lse_off = lse_to_log2_offset(lse_rows[q_col0 + 8 * ni + 2 * t + (e & 1)]);
-                    acc_s[ni][e] = exp2f(acc_s[ni][e] * scale_log2 - lse_off);
-                }
-            if constexpr (kIsDropout) {
-                // a dropped entry is kept as -P: dV reads max(P, 0) (its 1 / (1 - p) applied at the
-                // store), dS below tells kept from dropped by the sign
-                Dropout(p.fwd, batch, head).for_each_keep_t(acc_s, key_begin + key_row0, row_begin + q_col0, lane,
-                                                            [](float& x, bool kept) { if (!kept) x = -x; });
+            for (int e = 0; e < 4; ++e) {
+                const float lse_off = lse_to_log2_offset(lse_rows[q_col0 + 8 * ni + 2 * t + (e & 1)]);
+                acc_s[ni][e] = exp2f(acc_s[ni][e] * scale_log2 - lse_off);
             }
+        if constexpr (kIsDropout) {
+            // a dropped entry is kept as -P: dV reads max(P, 0) (its 1 / (1 - p) applied at the
+            // store), dS below tells kept from dropped by the sign
+            Dropout(p.fwd, batch, head).for_each_keep_t(acc_s, key_begin + key_row0, row_begin + q_col0, lane,
+                                                        [](float& x, bool kept) { if (!kept) x = -x; });
+        }
+        if constexpr (kPInSmem) {
+            acc_to_smem<T, kNTilesQ, kPPitch>(sP, acc_s, key_row0, q_col0, lane, 1.f, kIsDropout);
+            __syncthreads();
+        }
+
+        // [5] dV += P^T dO
+        // A = P^T (keys x queries, k-slice kq = queries 16*kq..+15); B = dO (k = queries, n = dims).
+#pragma unroll
+        for (int kq = 0; kq < kBlockM / 16; ++kq) {
+            unsigned a[4];
             if constexpr (kPInSmem) {
-                acc_to_smem<T, kNTilesQ, kPPitch>(sP, acc_s, key_row0, q_col0, lane, 1.f, kIsDropout);
+                ldmatrix_x4(a, p_a + kq * 16 * sizeof(T));
+            } else {
+                acc_to_a<T>(a, acc_s[2 * kq], acc_s[2 * kq + 1], kIsDropout);
+            }
+#pragma unroll
+            for (int np = 0; np < kNTilesD / 2; ++np) {
+                unsigned b[4];  // {b0,b1} of dims d_col0 + 16*np + g, then + 8 (k = queries), via .trans
+                ldmatrix_x4_trans(b, do_bt + qo_buf + (kq * 16 * kPitch + np * 16) * sizeof(T));
+                mma_16816<T>(acc_dv[2 * np], a, b[0], b[1]);
+                mma_16816<T>(acc_dv[2 * np + 1], a, b[2], b[3]);
+            }
+        }
+
+        // [6] dP = dO V^T
+        // Computed as dP^T = V dO^T, same layout as acc_s.
+        float acc_dp[kNTilesQ][4];
+#pragma unroll
+        for (int ni = 0; ni < kNTilesQ; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dp[ni][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+            unsigned a[4];  // V rows key_row0 + {g, g+8}, dims 16*ks + ...
+            ldmatrix_x4(a, v_a + ks * 16 * sizeof(T));
+#pragma unroll
+            for (int np = 0; np < kNTilesQ / 2; ++np) {
+                unsigned b[4];  // dO rows as B columns, as for Q above
+                ldmatrix_x4(b, do_b + qo_buf + (np * 16 * kPitch + ks * 16) * sizeof(T));
+                mma_16816<T>(acc_dp[2 * np], a, b[0], b[1]);
+                mma_16816<T>(acc_dp[2 * np + 1], a, b[2], b[3]);
+            }
+        }
+
+        // [7] dS = P * (dP - D)
+        // D belongs to the query (column): query q_col0 + 8*ni + 2t + (e & 1). Dropout: dL/dP is
+        // dP / (1 - p) where kept and 0 where dropped (there acc_s = -P, so dS = -P * D = acc_s * D).
+        // Softcap: times 1 - tanh^2.
+#pragma unroll
+        for (int ni = 0; ni < kNTilesQ; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float d = d_rows[q_col0 + 8 * ni + 2 * t + (e & 1)];
+                float ds;
+                if constexpr (kIsDropout) {
+                    ds = acc_s[ni][e] >= 0.f ? acc_s[ni][e] * (acc_dp[ni][e] * static_cast<float>(p.fwd.dropout_scale) - d)
+                                             : acc_s[ni][e] * d;
+                } else {
+                    ds = acc_s[ni][e] * (acc_dp[ni][e] - d);
+                }
+                if constexpr ((kVariant & kSoftcap) != 0) ds *= dcap[ni][e];
+                acc_dp[ni][e] = ds;
+            }
+        acc_to_smem<T, kNTilesQ, kPPitch>(sdS, acc_dp, key_row0, q_col0, lane, 1.f);
+        // kDeterministic: hand the previous tile on (an iteration late, so that the fence rarely waits for
+        // adds still in flight), then wait for this tile's turn
+        if constexpr (kIsDeterministic) {
+            if (pending != nullptr) {
+                __threadfence();  // this thread's adds into the previous tile land before its next turn
                 __syncthreads();
+                if (tid == 0) store_release(pending, pending_turn + 1);
             }
-
-            // [5] dV += P^T dO
-            // A = P^T (keys x queries, k-slice kq = queries 16*kq..+15); B = dO (k = queries, n = dims).
-#pragma unroll
-            for (int kq = 0; kq < kBlockM / 16; ++kq) {
-                unsigned a[4];
-                if constexpr (kPInSmem) {
-                    ldmatrix_x4(a, p_a + kq * 16 * sizeof(T));
-                } else {
-                    acc_to_a<T>(a, acc_s[2 * kq], acc_s[2 * kq + 1], kIsDropout);
-                }
-#pragma unroll
-                for (int np = 0; np < kNTilesD / 2; ++np) {
-                    unsigned b[4];  // {b0,b1} of dims d_col0 + 16*np + g, then + 8 (k = queries), via .trans
-                    ldmatrix_x4_trans(b, do_bt + qo_buf + (kq * 16 * kPitch + np * 16) * sizeof(T));
-                    mma_16816<T>(acc_dv[2 * np], a, b[0], b[1]);
-                    mma_16816<T>(acc_dv[2 * np + 1], a, b[2], b[3]);
-                }
+            pending = semaphore;
+            pending_turn = turn;
+            if (tid == 0) {
+                while (seen != turn) seen = load_acquire(semaphore);
             }
+        }
+        __syncthreads();  // sdS (and sP, the dQ tile's turn) for every warp
 
-            // [6] dP = dO V^T
-            // Computed as dP^T = V dO^T, same layout as acc_s.
-            float acc_dp[kNTilesQ][4];
+        // [8] dK += dS^T Q
+        // A = dS^T (keys x queries); B = Q (k = queries, n = dims).
 #pragma unroll
-            for (int ni = 0; ni < kNTilesQ; ++ni)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc_dp[ni][e] = 0.f;
-#pragma unroll
-            for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-                unsigned a[4];  // V rows key_row0 + {g, g+8}, dims 16*ks + ...
-                ldmatrix_x4(a, v_a + ks * 16 * sizeof(T));
-#pragma unroll
-                for (int np = 0; np < kNTilesQ / 2; ++np) {
-                    unsigned b[4];  // dO rows as B columns, as for Q above
-                    ldmatrix_x4(b, do_b + qo_buf + (np * 16 * kPitch + ks * 16) * sizeof(T));
-                    mma_16816<T>(acc_dp[2 * np], a, b[0], b[1]);
-                    mma_16816<T>(acc_dp[2 * np + 1], a, b[2], b[3]);
-                }
+        for (int kq = 0; kq < kBlockM / 16; ++kq) {
+            unsigned a[4];
+            if constexpr (kPInSmem) {
+                ldmatrix_x4(a, ds_a + kq * 16 * sizeof(T));
+            } else {
+                acc_to_a<T>(a, acc_dp[2 * kq], acc_dp[2 * kq + 1]);
             }
-
-            // [7] dS = P * (dP - D)
-            // D belongs to the query (column): query q_col0 + 8*ni + 2t + (e & 1). Dropout: dL/dP is
-            // dP / (1 - p) where kept and 0 where dropped (there acc_s = -P, so dS = -P * D = acc_s * D).
-            // Softcap: times 1 - tanh^2.
 #pragma unroll
-            for (int ni = 0; ni < kNTilesQ; ++ni)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float d = d_rows[q_col0 + 8 * ni + 2 * t + (e & 1)];
-                    float ds;
-                    if constexpr (kIsDropout) {
-                        ds = acc_s[ni][e] >= 0.f ? acc_s[ni][e] * (acc_dp[ni][e] * static_cast<float>(p.fwd.dropout_scale) - d)
-                                                 : acc_s[ni][e] * d;
-                    } else {
-                        ds = acc_s[ni][e] * (acc_dp[ni][e] - d);
-                    }
-                    if constexpr ((kVariant & kSoftcap) != 0) ds *= dcap[ni][e];
-                    acc_dp[ni][e] = ds;
-                }
-            acc_to_smem<T, kNTilesQ, kPPitch>(sdS, acc_dp, key_row0, q_col0, lane, 1.f);
-            // kDeterministic: hand the previous tile on (an iteration late, so that the fence rarely waits for
-            // adds still in flight), then wait for this tile's turn
-            if constexpr (kIsDeterministic) {
-                if (pending != nullptr) {
-                    __threadfence();  // this thread's adds into the previous tile land before its next turn
-                    __syncthreads();
-                    if (tid == 0) store_release(pending, pending_turn + 1);
-                }
-                pending = semaphore;
-                pending_turn = turn;
-                if (tid == 0) {
-                    while (seen != turn) seen = load_acquire(semaphore);
-                }
+            for (int np = 0; np < kNTilesD / 2; ++np) {
+                unsigned b[4];
+                ldmatrix_x4_trans(b, q_bt + qo_buf + (kq * 16 * kPitch + np * 16) * sizeof(T));
+                mma_16816<T>(acc_dk[2 * np], a, b[0], b[1]);
+                mma_16816<T>(acc_dk[2 * np + 1], a, b[2], b[3]);
             }
-            __syncthreads();  // sdS (and sP, the dQ tile's turn) for every warp
+        }
 
-            // [8] dK += dS^T Q
-            // A = dS^T (keys x queries); B = Q (k = queries, n = dims).
-#pragma unroll
-            for (int kq = 0; kq < kBlockM / 16; ++kq) {
-                unsigned a[4];
-                if constexpr (kPInSmem) {
-                    ldmatrix_x4(a, ds_a + kq * 16 * sizeof(T));
-                } else {
-                    acc_to_a<T>(a, acc_dp[2 * kq], acc_dp[2 * kq + 1]);
-                }
-#pragma unroll
-                for (int np = 0; np < kNTilesD / 2; ++np) {
-                    unsigned b[4];
-                    ldmatrix_x4_trans(b, q_bt + qo_buf + (kq * 16 * kPitch + np * 16) * sizeof(T));
-                    mma_16816<T>(acc_dk[2 * np], a, b[0], b[1]);
-                    mma_16816<T>(acc_dk[2 * np + 1], a, b[2], b[3]);
-                }
-            }
-
-            // [9] dQ_accum += dS K: fp32 atomic adds, in key-block order when deterministic
-            // A = dS (queries x keys, k-slice ks = keys 16*ks..+15); B = K (k = keys, n = dims).
-            {
-                float* dq_rows = dq_accum_rows(p, seq, batch, head) + (row_begin + dq_row0 + g) * p.dq_accum_row_stride +
-                                 dq_col0 + 2 * t;
+        // [9] dQ_accum += dS K: fp32 atomic adds, in key-block order when deterministic
+        // A = dS (queries x keys, k-slice ks = keys 16*ks..+15); B = K (k = keys, n = dims).
+        {
+            float* dq_rows = dq_accum_rows(p, seq, batch, head) + (row_begin + dq_row0 + g) * p.dq_accum_row_stride +
+                             dq_col0 + 2 * t;
 #pragma unroll 1  // one chunk's registers at a time (unrolled, d = 224 with every variant spills)
-                for (int c = 0; c < kDqDCols; c += kDqChunk) {
-                    float acc_dq[kDqMTiles][kDqChunk / 8][4];
+            for (int c = 0; c < kDqDCols; c += kDqChunk) {
+                float acc_dq[kDqMTiles][kDqChunk / 8][4];
+#pragma unroll
+                for (int mi = 0; mi < kDqMTiles; ++mi)
+#pragma unroll
+                    for (int nd = 0; nd < kDqChunk / 8; ++nd)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) acc_dq[mi][nd][e] = 0.f;
+#pragma unroll
+                for (int ks = 0; ks < kBlockN / 16; ++ks) {
+                    unsigned a[kDqMTiles][4];  // reloaded per chunk: held for all chunks they spill at d = 128
 #pragma unroll
                     for (int mi = 0; mi < kDqMTiles; ++mi)
+                        ldmatrix_x4_trans(a[mi], ds_at + (mi * 16 + ks * 16 * kPPitch) * sizeof(T));
+#pragma unroll
+                    for (int np = 0; np < kDqChunk / 16; ++np) {
+                        unsigned b[4];  // {b0,b1} of dims c + 16*np + g, then + 8 (k = keys), via .trans
+                        ldmatrix_x4_trans(b, k_bt + (ks * 16 * kPitch + c + np * 16) * sizeof(T));
+#pragma unroll
+                        for (int mi = 0; mi < kDqMTiles; ++mi) {
+                            mma_16816<T>(acc_dq[mi][2 * np], a[mi], b[0], b[1]);
+                            mma_16816<T>(acc_dq[mi][2 * np + 1], a[mi], b[2], b[3]);
+                        }
+                    }
+                }
+                // acc_dq[mi][nd][2h + e]: query row dq_row0 + 16 mi + g + 8h, dim dq_col0 + c + 8 nd + 2t + e
+#pragma unroll
+                for (int mi = 0; mi < kDqMTiles; ++mi)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        if (row_begin + dq_row0 + 16 * mi + g + 8 * h >= seqlen_q) continue;
+                        float* dst = dq_rows + (16 * mi + 8 * h) * p.dq_accum_row_stride + c;
 #pragma unroll
                         for (int nd = 0; nd < kDqChunk / 8; ++nd)
-#pragma unroll
-                            for (int e = 0; e < 4; ++e) acc_dq[mi][nd][e] = 0.f;
-#pragma unroll
-                    for (int ks = 0; ks < kBlockN / 16; ++ks) {
-                        unsigned a[kDqMTiles][4];  // reloaded per chunk: held for all chunks they spill at d = 128
-#pragma unroll
-                        for (int mi = 0; mi < kDqMTiles; ++mi)
-                            ldmatrix_x4_trans(a[mi], ds_at + (mi * 16 + ks * 16 * kPPitch) * sizeof(T));
-#pragma unroll
-                        for (int np = 0; np < kDqChunk / 16; ++np) {
-                            unsigned b[4];  // {b0,b1} of dims c + 16*np + g, then + 8 (k = keys), via .trans
-                            ldmatrix_x4_trans(b, k_bt + (ks * 16 * kPitch + c + np * 16) * sizeof(T));
-#pragma unroll
-                            for (int mi = 0; mi < kDqMTiles; ++mi) {
-                                mma_16816<T>(acc_dq[mi][2 * np], a[mi], b[0], b[1]);
-                                mma_16816<T>(acc_dq[mi][2 * np + 1], a[mi], b[2], b[3]);
-                            }
-                        }
+                            red_add2(dst + 8 * nd, acc_dq[mi][nd][2 * h], acc_dq[mi][nd][2 * h + 1]);
                     }
-                    // acc_dq[mi][nd][2h + e]: query row dq_row0 + 16 mi + g + 8h, dim dq_col0 + c + 8 nd + 2t + e
-#pragma unroll
-                    for (int mi = 0; mi < kDqMTiles; ++mi)
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            if (row_begin + dq_row0 + 16 * mi + g + 8 * h >= seqlen_q) continue;
-                            float* dst = dq_rows + (16 * mi + 8 * h) * p.dq_accum_row_stride + c;
-#pragma unroll
-                            for (int nd = 0; nd < kDqChunk / 8; ++nd)
-                                red_add2(dst + 8 * nd, acc_dq[mi][nd][2 * h], acc_dq[mi][nd][2 * h + 1]);
-                        }
-                }
             }
-            __syncthreads();  // every warp is done with this buffer and sP, sdS before they are written again
+        }
+        __syncthreads();  // every warp is done with this buffer and sP, sdS before they are written again
     }
     if (kIsDeterministic && pending != nullptr) {
         __threadfence();

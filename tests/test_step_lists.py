@@ -44,12 +44,7 @@ BWD_STEPS = [
 # accumulator, deterministic by construction.
 SIMT_BWD_STEPS = [
     (2, "dK/dV block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit"),
-    (3, "Load the Q, dO tiles and LSE, D rows of one query block"),
-    (4, "Recompute S = Q K^T, score modifiers, mask, P = exp2(S * scale_log2 - LSE * log2(e))"),
-    (5, "dV += P^T dO"),
-    (6, "dP = dO V^T"),
-    (7, "dS = P * (dP - D)"),
-    (8, "dK += dS^T Q"),
+    *BWD_STEPS[2:8],  # [3] .. [8], word for word
     (9, "Store dK * softmax_scale and dV"),
     (10, "dQ block coordinates: m_block, head, batch; the mask gives the key blocks to visit"),
     (11, "Recompute S, P and dS = P * (dO V^T - D) for one key block"),
