@@ -82,8 +82,8 @@ ATTENTION_NAMES = [
     # cuflash (kernels_cu/*.cu, config.SOURCES), as CUPTI demangles them
     "void cuflash::flash_fwd<__nv_bfloat16, 64, 128, 64, 4, 1>(cuflash::FwdParams)",
     "void cuflash::flash_bwd_preprocess<__nv_bfloat16, 64, 4, 1>(cuflash::BwdParams)",
-    "void cuflash::flash_bwd_dkdv<__nv_bfloat16, 64, 64, 128, 8, 1>(cuflash::BwdParams)",
-    "void cuflash::flash_bwd_dq<__nv_bfloat16, 64, 128, 64, 8, 1>(cuflash::BwdParams)",
+    "void cuflash::flash_bwd<__nv_bfloat16, 64, 128, 128, 8, 1>(cuflash::BwdParams)",
+    "void cuflash::flash_bwd_postprocess<__nv_bfloat16, 64, 4, 0>(cuflash::BwdParams)",
     "void cuflash::flash_fwd_simt<float, 64, 64, 64, 4, 1>(cuflash::FwdParams)",
     "cuflash::flash_bwd_dkdv_simt<float, 64, 64, 64, 4, 1>",
     # torch's flash backend
@@ -128,13 +128,13 @@ def test_attention_kernel_classifier():
 
 
 def test_attention_breakdown():
-    kernels = [("cuflash::flash_fwd<bf16>", 30.0), ("nvjet_gemm", 100.0), ("cuflash::flash_bwd_dq<bf16>", 50.0),
+    kernels = [("cuflash::flash_fwd<bf16>", 30.0), ("nvjet_gemm", 100.0), ("cuflash::flash_bwd<bf16>", 50.0),
                ("ln", 20.0)] * 2 + [("x" * 300 + "sdpa", 4.0)]
     b = train.attention_breakdown(kernels, steps=2)
     assert b["attention_share"] == pytest.approx(164 / 404)
     assert b["attention_ms_per_step"] == pytest.approx(0.082) and b["kernel_ms_per_step"] == pytest.approx(0.202)
     assert (b["profiled_steps"], b["kernels_per_step"]) == (2, 4.5)
-    assert [x["name"] for x in b["attention_kernels"]] == ["cuflash::flash_bwd_dq<bf16>", "cuflash::flash_fwd<bf16>",
+    assert [x["name"] for x in b["attention_kernels"]] == ["cuflash::flash_bwd<bf16>", "cuflash::flash_fwd<bf16>",
                                                            "x" * train.NAME_CHARS]
     assert b["attention_kernels"][0]["ms_per_step"] == pytest.approx(0.05)
     assert [x["name"] for x in b["other_kernels"]] == ["nvjet_gemm", "ln"]
