@@ -8,6 +8,7 @@
 __version__ = "0.1.0"
 
 from ._merge import merge_states, merge_states_list  # noqa: E402
+from .config import kernel_family  # noqa: E402
 from .api import (  # noqa: E402
     dropout_mask,
     flash_attn,
@@ -21,4 +22,4 @@ from .api import (  # noqa: E402
 
 __all__ = ["flash_attn", "flash_attn_forward", "flash_attn_backward", "flash_attn_varlen",
            "flash_attn_varlen_forward", "flash_attn_varlen_backward", "flash_attn_with_kvcache", "dropout_mask", "merge_states",
-           "merge_states_list", "__version__"]
+           "merge_states_list", "kernel_family", "__version__"]

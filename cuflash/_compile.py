@@ -2,7 +2,9 @@
 
 `kernel(cfg)` returns a launchable `cupy.RawKernel`, loaded once per (config, device) from a module
 compiled once per (source hash, instantiations, device) and kept in memory; CuPy's disk cache keeps
-the binary across processes. CuPy's disk cache keys on the source string only, not on the files it
+the binary across processes. A kernel built for one target (KernelConfig.arch: the Hopper kernels need
+sm_90a, and CuPy would add its own -arch) is compiled here with NVRTC from cuda-bindings into a cubin,
+kept on disk under cache_dir(), and loaded by CuPy. CuPy's disk cache keys on the source string only, not on the files it
 `#include`s, so `source_text(filename)` inlines every kernels_cu header into one string: an edited
 header can never run a stale binary.
 
@@ -16,6 +18,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib.resources
+import json
 import os
 import re
 import threading
@@ -105,6 +108,33 @@ def module(filename: str, names: tuple[str, ...]):
     return mod
 
 
+def cache_dir() -> Path:
+    """Where cubins built for one target are kept: $CUFLASH_CACHE_DIR, else ~/.cache/cuflash."""
+    return Path(os.environ.get("CUFLASH_CACHE_DIR") or Path.home() / ".cache" / "cuflash")
+
+
+def target_module(filename: str, names: tuple[str, ...], arch: str):
+    """(cupy.RawModule, {name: lowered name}) of names from kernels_cu/<filename> built for sm_<arch>."""
+    import cupy
+
+    key = (source_hash(filename), names, arch)
+    with _lock:
+        hit = _modules.get(key)
+        if hit is None:
+            digest = hashlib.sha256(repr((key, compile_options())).encode()).hexdigest()[:24]
+            path = cache_dir() / f"{digest}.cubin"
+            names_path = path.with_suffix(".json")
+            if not (path.is_file() and names_path.is_file()):
+                _, lowered, cubin = _nvrtc(filename, list(names), arch)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                for dst, data in ((path, cubin), (names_path, json.dumps(lowered).encode())):
+                    tmp = dst.with_suffix(f".{os.getpid()}.tmp")
+                    tmp.write_bytes(data)
+                    os.replace(tmp, dst)  # another process may be writing the same file
+            hit = _modules[key] = (cupy.RawModule(path=str(path)), json.loads(names_path.read_text()))
+    return hit
+
+
 def kernel(cfg: KernelConfig):
     """The launchable kernel for cfg, compiled at its first use on this device."""
     key = (cfg, _device_key())
@@ -112,8 +142,15 @@ def kernel(cfg: KernelConfig):
     if k is not None:
         return k
     _check_smem(cfg)
-    mod = module(cfg.source, (cfg.template_name,))
-    k = mod.get_function(cfg.template_name)
+    if cfg.arch:
+        cc = _device_key()[1]
+        if cc != cfg.arch[:2]:
+            raise RuntimeError(f"{cfg.template_name} is built for sm_{cfg.arch}; this GPU is sm_{cc}")
+        mod, lowered = target_module(cfg.source, (cfg.template_name,), cfg.arch)
+        k = mod.get_function(lowered[cfg.template_name])
+    else:
+        mod = module(cfg.source, (cfg.template_name,))
+        k = mod.get_function(cfg.template_name)
     if cfg.smem_bytes > DEFAULT_SMEM_BYTES:
         k.max_dynamic_shared_size_bytes = cfg.smem_bytes
     _kernels[key] = k
@@ -134,12 +171,13 @@ def _check_smem(cfg: KernelConfig) -> None:
 
 def precompile(configs: list[KernelConfig], jobs: int = 1, progress=None) -> int:
     """Compile configs into CuPy's disk cache, `jobs` processes at a time. Returns how many.
-    Configs that need more shared memory than this device grants are left out.
+    Configs that need more shared memory than this device grants, or another target, are left out.
     `progress(cfg, done, total)`, if given, is called once per config as it finishes compiling."""
     import cupy
 
-    limit = cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
-    configs = [c for c in configs if c.smem_bytes <= limit]
+    dev = cupy.cuda.Device()
+    limit = dev.attributes["MaxSharedMemoryPerBlockOptin"]
+    configs = [c for c in configs if c.smem_bytes <= limit and (c.arch is None or c.arch[:2] == dev.compute_capability)]
     total = len(configs)
     if jobs <= 1:
         for done, cfg in enumerate(configs, 1):
@@ -174,7 +212,7 @@ def _precompile_one(fields: tuple) -> None:
 @dataclasses.dataclass(frozen=True)
 class PtxasReport:
     name: str  # the template name
-    arch: int
+    arch: int | str
     registers: int
     spill_stores: int
     spill_loads: int
@@ -211,14 +249,20 @@ def _check(result):
     return rest[0] if len(rest) == 1 else rest
 
 
-def gate_options(arch: int) -> tuple[str, ...]:
+def gate_options(arch) -> tuple[str, ...]:
     """compile_options() plus what only the gate needs: the target, ptxas' resource report, and the
     CUDA headers (CuPy finds them itself at run time)."""
     return (*compile_options(), f"-arch=sm_{arch}", "--ptxas-options=-v", *(f"-I{d}" for d in _cuda_include_dirs()))
 
 
-def nvrtc_compile(filename: str, names: list[str], arch: int) -> tuple[str, dict[str, str]]:
-    """Compile names from kernels_cu/<filename> to a cubin for sm_<arch>; returns (log, lowered)."""
+def nvrtc_compile(filename: str, names: list[str], arch) -> tuple[str, dict[str, str]]:
+    """Compile names from kernels_cu/<filename> to a cubin for sm_<arch> (80, 90, "90a"); returns (log, lowered)."""
+    log, lowered, _ = _nvrtc(filename, names, arch)
+    return log, lowered
+
+
+def _nvrtc(filename: str, names: list[str], arch) -> tuple[str, dict[str, str], bytes]:
+    """(log, lowered names, cubin) of names from kernels_cu/<filename> compiled for sm_<arch>."""
     from cuda.bindings import nvrtc
 
     src = source_text(filename).encode()
@@ -235,7 +279,9 @@ def nvrtc_compile(filename: str, names: list[str], arch: int) -> tuple[str, dict
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise RuntimeError(f"NVRTC failed to compile {filename} for sm_{arch}:\n{log}")
         lowered = {n: _check(nvrtc.nvrtcGetLoweredName(prog, n.encode())).decode() for n in names}
-        return log, lowered
+        cubin = b" " * _check(nvrtc.nvrtcGetCUBINSize(prog))
+        _check(nvrtc.nvrtcGetCUBIN(prog, cubin))
+        return log, lowered, cubin
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
@@ -246,7 +292,7 @@ _SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) b
 _SMEM = re.compile(r"(\d+) bytes smem")
 
 
-def ptxas_reports(configs: list[KernelConfig], arch: int) -> list[PtxasReport]:
+def ptxas_reports(configs: list[KernelConfig], arch) -> list[PtxasReport]:
     """ptxas resource usage of each config, compiled for sm_<arch> (grouped by source file)."""
     by_file: dict[str, list[KernelConfig]] = {}
     for c in configs:

@@ -49,6 +49,17 @@ BWD_PARAMS = np.dtype(
     align=True,
 )
 
+# flash_fwd_sm90's params: FwdParams, then one CUtensorMap (128 bytes, 64-byte aligned) for each of q, k, v,
+# written by cuflash/_tma.py.
+TENSOR_MAP_BYTES = 128
+_TMA0 = -(-FWD_PARAMS.itemsize // 64) * 64
+FWD_SM90_PARAMS = np.dtype({
+    "names": ["fwd", "tma_q", "tma_k", "tma_v"],
+    "formats": [FWD_PARAMS, *[(np.uint8, TENSOR_MAP_BYTES)] * 3],
+    "offsets": [0, *(_TMA0 + TENSOR_MAP_BYTES * i for i in range(3))],
+    "itemsize": _TMA0 + 3 * TENSOR_MAP_BYTES,
+})
+
 LOG2E = 1.4426950408889634
 UNBOUNDED = 1 << 30  # a window bound of -1 (kUnbounded in kernels_cu/mask.cuh)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 
-from . import _checks, _params
+from . import _checks, _params, config
 from .backends import cuda
 
 FORWARD: dict = {}
@@ -61,7 +61,8 @@ def forward_key(q, k, v, out, causal, softmax_scale, layout, backend):
         return None
     try:
         sig = _signature_of(q.__class__)
-        return (sig(q), sig(k), sig(v), None if out is None else sig(out), causal, softmax_scale, layout, backend)
+        return (sig(q), sig(k), sig(v), None if out is None else sig(out), causal, softmax_scale, layout, backend,
+                config._forced_family)
     except Exception:
         return None
 
@@ -73,7 +74,7 @@ def backward_key(do, q, k, v, o, lse, dq, dk, dv, causal, softmax_scale, layout,
         sig = _signature_of(q.__class__)
         return (sig(do), sig(q), sig(k), sig(v), sig(o), sig(lse), None if dq is None else sig(dq),
                 None if dk is None else sig(dk), None if dv is None else sig(dv),
-                causal, softmax_scale, layout, backend, deterministic)
+                causal, softmax_scale, layout, backend, deterministic, config._forced_family)
     except Exception:
         return None
 

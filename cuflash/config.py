@@ -10,6 +10,7 @@ it uses (TEMPLATE_PARAMS): flash_bwd_preprocess has one instantiation per dtype.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -37,6 +38,7 @@ DEFAULT_SMEM_BYTES = 48 * 1024  # above this a launch must opt in (max_dynamic_s
 # kernel name -> source file under kernels_cu/
 SOURCES = {
     "flash_fwd": "flash_fwd.cu",
+    "flash_fwd_sm90": "flash_fwd_sm90.cu",
     "flash_bwd_preprocess": "flash_bwd.cu",
     "flash_bwd": "flash_bwd.cu",
     "flash_bwd_postprocess": "flash_bwd.cu",
@@ -104,6 +106,17 @@ class KernelConfig:
         return SOURCES[self.kernel]
 
     @property
+    def family(self) -> str:
+        """"sm90" (Hopper: TMA and wgmma, built for sm_90a), "simt" (fp32 / fp64) or "mma" (mma.sync, sm_80+)."""
+        return self.kernel.rsplit("_", 1)[-1] if self.kernel.endswith(("_sm90", "_simt")) else "mma"
+
+    @property
+    def arch(self) -> str | None:
+        """The one target this kernel is built for ("90a": it runs on compute capability 9.0 only), or None:
+        built for the device it runs on."""
+        return "90a" if self.family == "sm90" else None
+
+    @property
     def threads(self) -> int:
         return 32 * self.warps
 
@@ -143,6 +156,9 @@ _TILES: dict[str, dict[int, tuple[int, int, int]]] = {
     # causal and not) among those that compile without spills for sm_80 and sm_90.
     "flash_fwd": {32: (128, 64, 8), 64: (128, 64, 4), 96: (128, 32, 4), 128: (128, 32, 4),
                   160: (64, 32, 4), 192: (128, 64, 8), 224: (128, 64, 8), 256: (128, 64, 8)},
+    # Hopper: warps = 4 per warpgroup, a producer and one consumer per 64 query rows. Compiled for head dims
+    # that are whole 64-column slabs (a call's head dim rounds up to the next; TMA fills the rest with zeros).
+    "flash_fwd_sm90": {64: (128, 128, 12), 128: (128, 128, 12), 256: (128, 64, 12)},
     "flash_bwd": {32: (128, 128, 8), 64: (128, 128, 8), 96: (64, 128, 8), 128: (64, 128, 8),
                   160: (64, 64, 8), 192: (64, 64, 8), 224: (64, 64, 8), 256: (64, 64, 8)},
     # SIMT (float32 / float64): each row must fit both dtypes (double smem <= 163 KiB on sm_80, no spills)
@@ -185,6 +201,9 @@ def smem_bytes(cfg: KernelConfig) -> int:
     row = d + pad
     if cfg.kernel == "flash_fwd":  # Q tile, K tile, V tile
         return (bm + 2 * bn) * row * e
+    if cfg.kernel == "flash_fwd_sm90":  # Sm90FwdSmem: 1024 alignment slack, Q, the stages of K and V, mbarriers
+        stages = sm90_stages(cfg)
+        return 1024 + (bm + 2 * stages * bn) * d * e + 8 * (1 + 4 * stages)
     if cfg.kernel in ("flash_bwd_preprocess", "flash_bwd_postprocess"):
         return 0
     if cfg.kernel == "flash_bwd":  # K, V tiles; dS^T tile (and P^T when warps share keys); per stage Q, dO, LSE, D
@@ -209,15 +228,15 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def compiled_head_dim(head_dim: int) -> int:
-    for d in HEAD_DIMS:
+def compiled_head_dim(head_dim: int, head_dims=HEAD_DIMS) -> int:
+    for d in head_dims:
         if head_dim <= d:
             return d
     raise ValueError(f"head_dim must be <= {MAX_HEAD_DIM}, got {head_dim}")
 
 
 def _make(kernel: str, dtype: str, head_dim: int, variant: int) -> KernelConfig:
-    d = compiled_head_dim(head_dim)
+    d = compiled_head_dim(head_dim, sorted(_TILES[kernel]))
     heavy = _TILES_HEAVY.get(kernel, {}) if variant & HEAVY else {}
     bm, bn, warps = heavy.get(d) or _TILES[kernel][d]
     return KernelConfig(kernel, dtype, d, bm, bn, warps, int(variant))
@@ -257,11 +276,23 @@ def numpy_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
-def choose_forward(dtype, head_dim: int, variant: int) -> KernelConfig:
-    """The forward config of a call; variant: variant_bits(...) (LOCAL alone for a causal call)."""
+def choose_forward(dtype, head_dim: int, variant: int, *, compute_capability: int = 0,
+                   family: str | None = None) -> KernelConfig:
+    """The forward config of a call; variant: variant_bits(...) (LOCAL alone for a causal call).
+
+    16-bit dtypes on compute capability 9.0 take the Hopper kernel (flash_fwd_sm90), except for what it does
+    not serve (SM90_UNSERVED); elsewhere the mma.sync kernel. family: forced_family(), where a caller forces
+    one ("mma" on a Hopper GPU; "sm90" raises where the Hopper kernel cannot run the call)."""
     dt = dtype_name(dtype)
-    kernel = "flash_fwd" if dt in TENSOR_CORE_DTYPES else "flash_fwd_simt"
-    return _make(kernel, dt, head_dim, variant & ~BACKWARD_ONLY)
+    variant &= ~BACKWARD_ONLY
+    if dt not in TENSOR_CORE_DTYPES:
+        return _make("flash_fwd_simt", dt, head_dim, variant)
+    hopper = compute_capability == 90 and not variant & SM90_UNSERVED
+    if family == "sm90" and not hopper:
+        raise ValueError("the sm90 kernel family cannot serve this call: "
+                         + ("it needs compute capability 9.0" if compute_capability != 90
+                            else "varlen and KV-cache calls run on the mma family"))
+    return _make("flash_fwd_sm90" if hopper and family != "mma" else "flash_fwd", dt, head_dim, variant)
 
 
 def choose_backward(dtype, head_dim: int, variant: int, *, key_slabs: int = 0, seqlen_k: int = 0,
@@ -284,6 +315,40 @@ def choose_backward(dtype, head_dim: int, variant: int, *, key_slabs: int = 0, s
     if small and not variant & HEAVY and key_slabs * ceil_div(seqlen_k, main.block_n) < sms // 2:
         main = dataclasses.replace(main, block_m=small[0], block_n=small[1], warps=small[2])
     return pre, main, _per_row("flash_bwd_postprocess", dt, variant)
+
+
+# What flash_fwd_sm90 does not serve (choose_forward sends it to flash_fwd): per-sequence row offsets and key
+# counts, whose tiles TMA boxes over the whole array would not respect.
+SM90_UNSERVED = VARLEN | SEQUSED | PAGED
+
+
+def sm90_stages(cfg: KernelConfig) -> int:
+    """Sm90FwdSmem::kStages: the stages of K and V that fit beside Q in sm_90's shared memory, up to 4."""
+    q, kv = cfg.block_m * cfg.head_dim * 2, cfg.block_n * cfg.head_dim * 2
+    return min(4, (SMEM_LIMIT[90] - 1024 - q - 8 * (1 + 4 * 4)) // (2 * kv))
+
+# Kernel families a caller can force (benchmarks, tests): kernel_family("mma") runs the mma.sync kernels on a
+# Hopper GPU. None: each call takes the fastest family that serves it.
+FORCEABLE_FAMILIES = ("mma", "sm90")
+_forced_family: str | None = None
+
+
+def forced_family() -> str | None:
+    return _forced_family
+
+
+@contextlib.contextmanager
+def kernel_family(name: str | None):
+    """Within the block, the GPU kernels of 16-bit calls come from family `name` ("mma" or "sm90"; None: the
+    default choice). Process-wide (not per thread); the plan cache keys on it."""
+    global _forced_family
+    if name is not None and name not in FORCEABLE_FAMILIES:
+        raise ValueError(f"kernel family must be one of {', '.join(FORCEABLE_FAMILIES)} or None, got {name!r}")
+    saved, _forced_family = _forced_family, name
+    try:
+        yield
+    finally:
+        _forced_family = saved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,7 +390,8 @@ GATED_FORWARD_VARIANTS = (SEQUSED | PAGED, KVCACHE_VARIANTS & ~PAGED, KVCACHE_VA
 
 def all_configs() -> list[KernelConfig]:
     """The configs the compile gate checks and `cuflash compile` builds (GATED_VARIANTS, with the backward's
-    small-grid tiles, and GATED_FORWARD_VARIANTS for the forward)."""
+    small-grid tiles, and GATED_FORWARD_VARIANTS for the forward; the Hopper forward's for GATED_VARIANTS,
+    ALL_VARIANTS less what it does not serve)."""
     out: list[KernelConfig] = []
     for dt in DTYPES:
         for d in HEAD_DIMS:
@@ -334,4 +400,6 @@ def all_configs() -> list[KernelConfig]:
                         choose_backward(dt, d, variant, key_slabs=1, seqlen_k=1, sms=1 << 20)[1]]  # small grids
                 out.extend(c for c in cfgs if c not in out)
             out.extend(c for c in (choose_forward(dt, d, v) for v in GATED_FORWARD_VARIANTS) if c not in out)
+            hopper = (choose_forward(dt, d, v, compute_capability=90) for v in (0, LOCAL, ALL_VARIANTS & ~SM90_UNSERVED))
+            out.extend(c for c in hopper if c not in out)
     return out

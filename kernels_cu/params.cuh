@@ -82,4 +82,16 @@ struct BwdParams {
     long long dq_semaphore_batch_stride, dq_semaphore_head_stride;
 };
 
+// The Hopper forward (flash_fwd_sm90.cu) reads q, k and v through the bulk tensor copy engine: FwdParams
+// plus one tensor map per array, encoded on the host (cuflash/_tma.py). A CUtensorMap is 128 opaque bytes,
+// 64-byte aligned.
+struct alignas(64) TensorMap {
+    unsigned long long raw[16];
+};
+
+struct FwdSm90Params {
+    FwdParams fwd;
+    TensorMap tma_q, tma_k, tma_v;  // [batch, head, row, dim] boxes of 64 columns x the tile's rows
+};
+
 }  // namespace cuflash

@@ -34,6 +34,16 @@ struct OnlineSoftmax {
     template <int kNTiles, int kNTilesO>
     __device__ __forceinline__ void update(float (&acc_s)[kMTiles][kNTiles][4], float (&acc_o)[kMTiles][kNTilesO][4],
                                            float scale_log2) {
+        float correction[kRows];
+        update(acc_s, scale_log2, correction);
+        rescale(acc_o, correction);
+    }
+
+    // update() without touching acc_o: its rescale factors go to `correction`, and the caller applies them
+    // (rescale) once the P V product still accumulating into acc_o has completed (flash_fwd_sm90.cu).
+    template <int kNTiles>
+    __device__ __forceinline__ void update(float (&acc_s)[kMTiles][kNTiles][4], float scale_log2,
+                                           float (&correction)[kRows]) {
 #pragma unroll
         for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll
@@ -49,14 +59,9 @@ struct OnlineSoftmax {
                 // [4] Rescale acc_o and row_sum by exp2((old row_max - new row_max) * scale_log2), difference first
                 // (old - new) first: exactly 1 when the max did not move (an FMA of the two products
                 // would not be, and its error would pile up over key blocks).
-                const float correction = (m == neg_inf<float>()) ? 1.f : exp2f((row_max[r] - m) * scale_log2);
+                correction[r] = (m == neg_inf<float>()) ? 1.f : exp2f((row_max[r] - m) * scale_log2);
                 row_max[r] = m;
-                float sum = row_sum[r] * correction;
-#pragma unroll
-                for (int no = 0; no < kNTilesO; ++no) {
-                    acc_o[mi][no][2 * h] *= correction;
-                    acc_o[mi][no][2 * h + 1] *= correction;
-                }
+                float sum = row_sum[r] * correction[r];
                 // [5] P = exp2(S * scale_log2 - offset) in place of S; add the row sums of P to row_sum
 #pragma unroll
                 for (int ni = 0; ni < kNTiles; ++ni) {
@@ -70,6 +75,16 @@ struct OnlineSoftmax {
                 row_sum[r] = sum;
             }
         }
+    }
+
+    template <int kNTilesO>
+    __device__ __forceinline__ void rescale(float (&acc_o)[kMTiles][kNTilesO][4], const float (&correction)[kRows]) {
+#pragma unroll
+        for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+            for (int no = 0; no < kNTilesO; ++no)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_o[mi][no][e] *= correction[2 * mi + e / 2];
     }
 
     // O /= row_sum; lse[r] = row_max * softmax_scale + log(row_sum) (natural log). A row that saw no key

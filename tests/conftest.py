@@ -61,6 +61,16 @@ def gpu():
     return GpuKit()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kernel_family():
+    """CUFLASH_TEST_FAMILY=mma runs the whole session on the mma.sync kernels (cuflash.kernel_family): how a
+    Hopper GPU tests the family every other GPU runs. Unset: each call's default family."""
+    import cuflash
+
+    with cuflash.kernel_family(os.environ.get("CUFLASH_TEST_FAMILY") or None):
+        yield
+
+
 # ------------------------------------------------------------------------------------------------
 # Tolerances (DESIGN.md, "Numbers that must hold")
 # ------------------------------------------------------------------------------------------------

@@ -547,6 +547,7 @@ def test_every_gpu_suite_with_fakes(monkeypatch):
     from rich.console import Console
 
     from cuflash import _compile
+    from cuflash.backends import cuda
     from cuflash.benchmark import baselines, memory, suites
 
     monkeypatch.setattr(suites, "gpu_impls", lambda names: [FakeImpl(n) for n in names])
@@ -569,6 +570,7 @@ def test_every_gpu_suite_with_fakes(monkeypatch):
     monkeypatch.setattr(memory, "free_gpu_caches", lambda: None)
     monkeypatch.setattr(baselines, "bhsd", lambda s: s)
     compiled = []
+    monkeypatch.setattr(cuda, "compute_capability", lambda: 90)  # a Hopper GPU: the forward's family is sm90
     monkeypatch.setattr(_compile, "precompile", lambda cfgs, jobs, progress: [
         (compiled.append(c), progress(c, i, len(cfgs))) for i, c in enumerate(cfgs, 1)])
 
@@ -579,14 +581,20 @@ def test_every_gpu_suite_with_fakes(monkeypatch):
                  cell_seconds=0.05)
     runner = suites.Runner(s, advance=lambda suite, text: steps.append(suite))
     out = runner.run("gpu")
-    assert len(steps) == suites.total_steps(s, "gpu") and compiled and steps[0] == "precompile"
+    assert len(steps) == suites.total_steps(s, "gpu", 90) and compiled and steps[0] == "precompile"
     doc = report.document(report.make_meta(s.options(), "gpu", None, notes=runner.notes), out)
     assert report.validate(doc) == []
     assert {n: x["status"] for n, x in doc["suites"].items()} == {n: "ok" for n in names}, \
         "\n".join(x.get("traceback") or "" for x in doc["suites"].values())
     rows = [r for x in doc["suites"].values() for r in x["rows"]]
+    fam = {(r["implementation"], r["dtype"], r["mode"]): r["family"] for r in doc["suites"]["seqlen"]["rows"]}
+    assert fam[("cuflash", "bfloat16", "fwd")] == "sm90" and fam[("cuflash", "bfloat16", "fwd_bwd")] == "sm90+mma"
+    variants = {r["variant"]: r["family"] for r in doc["suites"]["variants"]["rows"]
+                if r["implementation"] == "cuflash" and r["mode"] == "fwd"}
+    assert variants["plain"] == "sm90" and variants["varlen"] == "mma"
     fam = {(r["implementation"], r["dtype"]): r["family"] for r in rows}
-    assert fam[("cuflash", "bfloat16")] == "mma" and fam[("cuflash", "float32")] == "simt"
+    assert fam[("cuflash", "float32")] == "simt"
+    assert any(c.family == "sm90" for c in compiled)
     assert fam[("torch-cudnn", "bfloat16")] == "cudnn" and fam[("conventional", "bfloat16")] == "conventional"
     assert doc["suites"]["accuracy"]["matmul"] == {dt: "fake" for dt in ("float32", "float16", "bfloat16")}
 
@@ -596,7 +604,7 @@ def test_every_gpu_suite_with_fakes(monkeypatch):
     assert [r["implementation"] for r in launch["rows"]] == impls * 4  # 2 shapes x (fwd, bwd)
     for r in launch["rows"]:
         assert r["host_us_median"] == pytest.approx(r["host_ms_median"] * 1e3) and r["n_runs"] >= 10
-        assert "back to back behind a spin kernel" in r["method"] and r["family"] in ("mma", "torch-flash", "cudnn")
+        assert "back to back behind a spin kernel" in r["method"] and r["family"] in ("sm90", "mma", "torch-flash", "cudnn")
     ct = [r for r in launch["rows"] if r["implementation"] == "cuflash-torch"]
     assert all(r["host_ratio_vs_torch-flash"] > 0 and r["host_ratio_vs_torch-cudnn"] > 0 for r in ct)
 
@@ -604,11 +612,11 @@ def test_every_gpu_suite_with_fakes(monkeypatch):
     report.render(console, doc["suites"])
     text = console.export_text()
     assert "launch (gpu, ok" in text and "host us per cached call" in text and "device ms per call" in text
-    assert "cuflash-torch / torch-cudnn" in text and "torch-cudnn (cudnn)" in text and "cuflash-cupy (mma)" in text
+    assert "cuflash-torch / torch-cudnn" in text and "torch-cudnn (cudnn)" in text and "cuflash-cupy (sm90, mma)" in text
     assert "no sync between calls" in text
     assert "energy: idle power 100 W subtracted" in text
     md = report.markdown(doc["suites"])
-    assert "| B x H x N x d | mode | cuflash-cupy (mma) | cuflash-torch (mma) | torch-flash |" in md
+    assert "| B x H x N x d | mode | cuflash-cupy (sm90, mma) | cuflash-torch (sm90, mma) | torch-flash |" in md
 
 
 def test_refusals_as_unavailable():

@@ -127,7 +127,30 @@ def test_tiles_are_consistent():
     for c in config.all_configs():
         assert c.block_m % 16 == 0 and c.block_n % 16 == 0 or c.kernel.endswith("simt"), c
         assert c.threads <= 1024 and c.smem_bytes >= 0
-        assert c.smem_bytes <= config.SMEM_LIMIT[80], c
+        assert c.smem_bytes <= config.SMEM_LIMIT[int(c.arch[:2]) if c.arch else 80], c
+
+
+def test_hopper_forward_choice():
+    """flash_fwd_sm90 serves 16-bit dense calls on compute capability 9.0 only; kernel_family forces a family."""
+    on_h100 = lambda dt, v=0: config.choose_forward(dt, 128, v, compute_capability=90)  # noqa: E731
+    assert on_h100("bfloat16").kernel == "flash_fwd_sm90" and on_h100("bfloat16").family == "sm90"
+    assert on_h100("float32").family == "simt"
+    assert config.choose_forward("bfloat16", 128, 0, compute_capability=80).family == "mma"
+    for unserved in (config.VARLEN, config.SEQUSED, config.SEQUSED | config.PAGED):
+        assert on_h100("float16", unserved).family == "mma"
+    assert config.choose_forward("float16", 96, 0, compute_capability=90).head_dim == 128  # whole 64-column slabs
+    assert config.choose_forward("float16", 200, 0, compute_capability=90).head_dim == 256
+    assert config.choose_forward("bfloat16", 128, 0, compute_capability=90, family="mma").family == "mma"
+    with pytest.raises(ValueError, match="compute capability 9.0"):
+        config.choose_forward("bfloat16", 128, 0, compute_capability=80, family="sm90")
+    with pytest.raises(ValueError, match="varlen"):
+        config.choose_forward("bfloat16", 128, config.VARLEN, compute_capability=90, family="sm90")
+    with config.kernel_family("mma"):
+        assert config.forced_family() == "mma"
+    assert config.forced_family() is None
+    with pytest.raises(ValueError, match="kernel family"):
+        with config.kernel_family("simd"):
+            pass
 
 
 def test_longest_first_is_causal_alone():

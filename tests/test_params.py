@@ -2,6 +2,7 @@
 
 import re
 
+import numpy as np
 import pytest
 
 from cuflash import _compile, _params
@@ -42,7 +43,8 @@ def test_layouts_match_header():
     simpler, but NVRTC 13.0 does not know it)."""
     pytest.importorskip("cuda.bindings")
     want = []
-    for struct, dtype in (("FwdParams", _params.FWD_PARAMS), ("BwdParams", _params.BWD_PARAMS)):
+    for struct, dtype in (("FwdParams", _params.FWD_PARAMS), ("BwdParams", _params.BWD_PARAMS),
+                          ("FwdSm90Params", _params.FWD_SM90_PARAMS)):
         want.append((f"sizeof({struct})", f"sizeof(cuflash::{struct})", dtype.itemsize))
         want += [(f"{struct}.{path}", f"(unsigned long long)&(((cuflash::{struct}*)0)->{path})", off)
                  for path, off in _fields(struct, dtype)]
@@ -62,7 +64,8 @@ def test_layouts_match_header():
 def test_field_count_matches_header():
     """Every field declared in the header is in the dtype (names and order)."""
     text = (_compile.kernels_dir() / "params.cuh").read_text()
-    for struct, dtype in (("FwdParams", _params.FWD_PARAMS), ("BwdParams", _params.BWD_PARAMS)):
+    for struct, dtype in (("FwdParams", _params.FWD_PARAMS), ("BwdParams", _params.BWD_PARAMS),
+                          ("FwdSm90Params", _params.FWD_SM90_PARAMS)):
         body = re.search(rf"struct {struct} \{{(.*?)\n\}};", text, re.S).group(1)
         body = re.sub(r"//[^\n]*", "", body)
         names = []
@@ -146,3 +149,18 @@ def test_varlen_params_are_packed():
     assert (int(p["dq_semaphore_batch_stride"]), int(p["dq_semaphore_head_stride"])) == (4 * 4, 4)
     layout = _params.workspace_layout(q[None], (cu_q, cu_k, 200, 180), deterministic=True)
     assert layout.nbytes == int(p["dq_semaphore_offset"]) + 3 * 4 * 4 * 4
+
+
+def test_tensor_map_geometry():
+    """The q, k, v tensor maps of flash_fwd_sm90 (cuflash/_tma.py): innermost first, byte strides, boxes of 64
+    columns; a dimension of extent 1 gets a valid stride, an empty one is described as one row."""
+    from cuflash import _tma
+
+    p = np.zeros((), dtype=_params.FWD_PARAMS)
+    p["head_dim"], p["seqlen_q"], p["seqlen_k"], p["nheads"], p["nheads_k"], p["batch"] = 96, 300, 0, 8, 1, 2
+    p["q_row_stride"], p["q_head_stride"], p["q_batch_stride"] = 8 * 96, 96, 300 * 8 * 96
+    p["k_row_stride"], p["k_head_stride"], p["k_batch_stride"] = 96, 0, 1000 * 96
+    assert _tma.geometry(p, "q", 128) == ((96, 300, 8, 2), (8 * 96 * 2, 96 * 2, 300 * 8 * 96 * 2), (64, 128, 1, 1))
+    dims, strides, box = _tma.geometry(p, "k", 176)
+    assert dims == (96, 1, 1, 2) and strides == (16, 16, 1000 * 96 * 2) and box == (64, 176, 1, 1)
+    assert _params.FWD_SM90_PARAMS.fields["tma_q"][1] % 64 == 0

@@ -13,10 +13,10 @@ import threading
 
 import numpy as np
 
-from .. import _compile, _params
+from .. import _compile, _params, _tma
 from .._checks import check_batch
 from .._interop import gpu_status
-from ..config import choose_backward, choose_forward, ceil_div
+from ..config import choose_backward, choose_forward, ceil_div, forced_family
 
 ON_DEVICE = True
 MIN_COMPUTE_CAPABILITY = 80  # mma.sync m16n8k16 with bf16 and cp.async need sm_80
@@ -94,14 +94,38 @@ class Launches:
                 launch(fn, gx, gy, gz, threads, 1, 1, smem, stream, self.argv, 0)
 
 
+class TmaLaunches(Launches):
+    """Launches of flash_fwd_sm90, whose params also hold tensor maps of q, k and v (cuflash/_tma.py):
+    patching those pointers points the maps at the new arrays too."""
+
+    def __init__(self, params: _tma.SM90Params, kernels: list[tuple]):
+        super().__init__(params.raw, kernels)
+        self.params, self.raw = params, params.raw  # the maps stay where they were encoded (64-byte aligned)
+        self._argv[0] = self.raw.ctypes.data
+
+    def patch(self, offset: int, *pointers: int) -> None:
+        super().patch(offset, *pointers)
+        if offset == _params.FWD_POINTERS:
+            self.params.set_addresses(*pointers[:3])
+
+
 def forward_launches(q, k, v, o, lse, *, causal: bool, softmax_scale: float, varlen=None, **variants) -> Launches:
     """The forward of CuPy (batch, seqlen, heads, head_dim) views, kernel-ready (see `aligned`);
     varlen and variants as for _params.fwd_params."""
     d, h = q.shape[3], q.shape[2]
-    cfg = choose_forward(q.dtype, d, _params.variant(causal, varlen, **variants))
+    cfg = choose_forward(q.dtype, d, _params.variant(causal, varlen, **variants),
+                         compute_capability=compute_capability(), family=forced_family())
     p = _params.fwd_params(q, k, v, o, lse, softmax_scale, causal, varlen, **variants)
     b, sq = int(p["batch"]), int(p["seqlen_q"])
     check_batch(b)
+    if cfg.family == "sm90":
+        try:
+            return TmaLaunches(_tma.SM90Params(p, cfg.dtype, cfg.block_m, cfg.block_n),
+                               [(cfg, (ceil_div(sq, cfg.block_m), h, b))])
+        except _tma.Unencodable:  # strides TMA cannot take (e.g. 0 for a broadcast head): the mma.sync kernel
+            if forced_family() == "sm90":
+                raise
+            cfg = choose_forward(q.dtype, d, cfg.variant, family="mma")
     return Launches(p, [(cfg, (ceil_div(sq, cfg.block_m), h, b))])
 
 
@@ -132,6 +156,20 @@ def _device_multiprocessors(device: int) -> int:
     import cupy
 
     return int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
+
+
+@functools.lru_cache(maxsize=None)
+def _device_compute_capability(device: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(device).compute_capability)
+
+
+def compute_capability() -> int:
+    """Compute capability of the current device, as an int (90 for an H100 or H200)."""
+    from cupy.cuda import runtime
+
+    return _device_compute_capability(runtime.getDevice())
 
 
 def _multiprocessors() -> int:

@@ -154,8 +154,11 @@ def parse_png(ctx, param, value) -> str | None:
               help="Seconds of repeated calls per energy figure (NVML's counter updates every ~100 ms).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
 @click.option("--cpu", "force_cpu", is_flag=True, help="Run the no-GPU path (NumPy backend) even with a GPU.")
+@click.option("--family", type=click.Choice(["mma", "sm90"]), default=None,
+              help="Force cuflash's 16-bit kernels to one family (cuflash.kernel_family): mma (mma.sync, any GPU "
+                   "from sm_80) or sm90 (Hopper). Default: the fastest that serves each call. Rows say which ran.")
 def bench(suites, dtype, causal, batch, heads, head_dim, seqlens, backends, json_path, plot_path, quick, repeats,
-          warmup, cell_seconds, max_suite_seconds, max_seconds, energy_window, seed, force_cpu):
+          warmup, cell_seconds, max_suite_seconds, max_seconds, energy_window, seed, force_cpu, family):
     """Benchmark cuflash against materialized attention and PyTorch's SDPA backends.
 
     Figures are the median of >= 10 timed runs after warm-up (CUDA events); the JSON keeps min and
@@ -168,7 +171,7 @@ def bench(suites, dtype, causal, batch, heads, head_dim, seqlens, backends, json
     from rich.console import Console
 
     from .report import document, make_meta, render, validate, write_json
-    from .suites import Runner, Settings, total_steps
+    from .suites import Runner, Settings, compute_capability, total_steps
 
     if plot_path:
         require_matplotlib()
@@ -177,7 +180,7 @@ def bench(suites, dtype, causal, batch, heads, head_dim, seqlens, backends, json
     settings = Settings(suites=suites, dtype=dtype, causal=causal, batch=batch, heads=heads, head_dim=head_dim,
                         seqlens=seqlens, backends=backends, quick=quick, repeats=repeats, warmup=warmup,
                         max_suite_seconds=max_suite_seconds, max_seconds=max_seconds, cell_seconds=cell_seconds,
-                        energy_window=energy_window, seed=seed, force_cpu=force_cpu)
+                        energy_window=energy_window, seed=seed, force_cpu=force_cpu, family=family)
     console = Console(width=None if sys.stdout.isatty() else 150)
 
     gpu_ok, why = (False, "--cpu") if force_cpu else detect_gpu()
@@ -185,7 +188,8 @@ def bench(suites, dtype, causal, batch, heads, head_dim, seqlens, backends, json
     if not gpu_ok:  # one line, then the CPU suites
         click.echo(f"--cpu: {CPU_WHAT}" if force_cpu else f"no CUDA GPU visible ({why}): {CPU_WHAT}")
 
-    with ProgressBar(console, total_steps(settings, platform)) as bar:
+    cc = compute_capability() if gpu_ok else 0
+    with ProgressBar(console, total_steps(settings, platform, cc)) as bar:
         runner = Runner(settings, advance=bar.advance)
         result = runner.run(platform)
 

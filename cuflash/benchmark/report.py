@@ -564,9 +564,10 @@ def _ours(impls: list[str]) -> str | None:
 
 
 def _head(rows: list[dict], impl: str) -> str:
-    """A column header naming an implementation and, where it says more, its kernel family."""
-    fam = next((_family(r) for r in rows if r["implementation"] == impl), impl)
-    return impl if fam == impl else f"{impl} ({fam})"
+    """A column header naming an implementation and, where it says more, its kernel families (the forward's and
+    the backward's may differ: "cuflash (sm90, mma)")."""
+    fams = dict.fromkeys(f for r in rows if r["implementation"] == impl for f in _family(r).split("+"))
+    return impl if list(fams) in ([], [impl]) else f"{impl} ({', '.join(fams)})"
 
 
 def _shape(r: dict) -> tuple:

@@ -87,6 +87,7 @@ class Settings:
     energy_window: float = 2.0
     seed: int = 0
     force_cpu: bool = False
+    family: str | None = None  # config.kernel_family for the whole run
 
     def options(self) -> dict:
         d = dataclasses.asdict(self)
@@ -234,22 +235,24 @@ def cell_count(name: str, p: dict, n_impls: int) -> int:
     return cases * n_impls
 
 
-def kernel_configs(s: Settings, names: list[str]) -> list:
-    """Every cuflash kernel config the GPU suites `names` will launch, without duplicates (pure)."""
+def kernel_configs(s: Settings, names: list[str], compute_capability: int = 0) -> list:
+    """Every cuflash kernel config the GPU suites `names` will launch on a GPU of this compute capability,
+    without duplicates (pure)."""
     from .. import config
 
+    forward = functools.partial(config.choose_forward, compute_capability=compute_capability, family=s.family)
     out = []
     for name in names:
         if "cuflash" not in s.backends and name not in ("accuracy", "launch"):
             continue
         p = suite_params(name, s, "gpu")
         if name == "decode":
-            out.extend(config.choose_forward(c.dtype, c.head_dim, decode.variant_bits(c)) for c in decode.cells(p))
+            out.extend(forward(c.dtype, c.head_dim, decode.variant_bits(c)) for c in decode.cells(p))
             continue
         for c in suite_cases(name, p):
             for bits in ([variant_bits(v, c) for v in p["variants"]] if name == "variants"
                          else [config.variant_bits(local=c.causal)]):
-                out.append(config.choose_forward(c.dtype, c.head_dim, bits))
+                out.append(forward(c.dtype, c.head_dim, bits))
                 if set(p["modes"]) - {"fwd"}:
                     out.extend(config.choose_backward(c.dtype, c.head_dim, bits))
     return list(dict.fromkeys(out))
@@ -259,12 +262,13 @@ def suite_names(s: Settings, platform: str) -> list[str]:
     return [n for n in SUITES if n in s.suites] if platform == "gpu" else list(CPU_SUITES)
 
 
-def total_steps(s: Settings, platform: str) -> int:
-    """Progress-bar steps of a whole run: every suite's, and one per kernel config to precompile."""
+def total_steps(s: Settings, platform: str, compute_capability: int = 0) -> int:
+    """Progress-bar steps of a whole run: every suite's, and one per kernel config to precompile (for a GPU
+    of this compute capability)."""
     names = suite_names(s, platform)
     n_impls = len(s.backends) if platform == "gpu" else 2
     steps = sum(cell_count(n, suite_params(n, s, platform), n_impls) for n in names)
-    return steps + (len(kernel_configs(s, names)) if platform == "gpu" else 0)
+    return steps + (len(kernel_configs(s, names, compute_capability)) if platform == "gpu" else 0)
 
 
 class Budget:
@@ -277,7 +281,36 @@ class Budget:
         return time.perf_counter() > self.end
 
 
+# cuflash's GPU implementations: their rows name the kernel family that ran (kernel_family)
+CUFLASH_GPU = ("cuflash", "cuflash-cupy", "cuflash-torch", "cuflash-graph")
+
+
+def kernel_family(case: Case, mode: str, bits: int | None = None) -> str:
+    """The kernel family a cuflash GPU cell runs on this GPU: the forward's (fwd), the backward's (bwd), or
+    both, "sm90+mma" where they differ (fwd_bwd). bits: its kVariant (default: plain, causal or not)."""
+    from .. import config
+
+    bits = config.variant_bits(local=case.causal) if bits is None else bits
+    fwd = config.choose_forward(case.dtype, case.head_dim, bits, compute_capability=compute_capability(),
+                                family=config.forced_family()).family
+    bwd = config.choose_backward(case.dtype, case.head_dim, bits)[1].family
+    families = {"fwd": [fwd], "bwd": [bwd]}.get(mode, [fwd, bwd])
+    return "+".join(dict.fromkeys(families))
+
+
+def compute_capability() -> int:
+    """The current GPU's, or 0 where none can be queried (the kernels' choice is then the mma family's)."""
+    from ..backends import cuda
+
+    try:
+        return cuda.compute_capability()
+    except Exception:
+        return 0
+
+
 def row(case: Case, impl: str, mode: str, **kw) -> dict:
+    if impl in CUFLASH_GPU and "family" not in kw:
+        kw["family"] = kernel_family(case, mode)
     return make_row(case.shape(), case.dtype, case.causal, impl, mode, **kw)
 
 
@@ -318,6 +351,12 @@ class Runner:
 
     def run(self, platform: str) -> dict:
         """{suite name: suite object} of every suite this platform runs."""
+        from ..config import kernel_family as forced
+
+        with forced(self.s.family):
+            return self._run(platform)
+
+    def _run(self, platform: str) -> dict:
         self.platform = platform
         names = suite_names(self.s, platform)
         if platform == "gpu":
@@ -397,7 +436,7 @@ class Runner:
 
     def _precompile(self, names: list[str]) -> None:
         """Compile every cuflash kernel config the suites will use, in parallel, before timing."""
-        cfgs = kernel_configs(self.s, names)
+        cfgs = kernel_configs(self.s, names, compute_capability())
         if not cfgs:
             return
         self.suite = "precompile"
@@ -590,6 +629,8 @@ class Runner:
                     self._cell(rows, budget, case, impl, mode,
                                lambda: time_device(impl.calls(case, sets, mode), clock(impl.clock), **self._timer()))
                     rows[-1].update(variant=name, tiles=tiles_visited(name, case))
+                    if impl.name == "cuflash":
+                        rows[-1]["family"] = kernel_family(case, mode, variant_bits(name, case))
         for r in rows:  # time over plain attention's, same implementation and mode
             plain = next((x for x in rows if x["variant"] == "plain" and x["implementation"] == r["implementation"]
                           and x["mode"] == r["mode"] and x["status"] == "ok"), None)
@@ -622,6 +663,8 @@ class Runner:
 
                 self._cell(rows, budget, cell.case, impl, "fwd", measure)
                 rows[-1].update(cell.extra())
+                if impl.name == "cuflash":
+                    rows[-1]["family"] = kernel_family(cell.case, "fwd", decode.variant_bits(cell))
         data = None
         decode.add_copy_fractions(rows)
         return {}

@@ -1,0 +1,94 @@
+"""Tensor maps: how the Hopper kernels' bulk tensor copies (TMA) see q, k and v.
+
+A CUtensorMap is 128 opaque bytes that the CUDA driver encodes (cuTensorMapEncodeTiled) from a global
+address, the extent and byte stride of each dimension, and the box one copy brings into shared memory.
+The kernel reads it from its parameters (kernels_cu/params.cuh, FwdSm90Params). A plan reuses its
+params bytes from call to call, so only the address changes: cuTensorMapReplaceAddress rewrites it.
+Called through ctypes on the driver library CuPy has loaded: no other dependency.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+
+from ._params import FWD_SM90_PARAMS, TENSOR_MAP_BYTES
+
+# CUtensorMapDataType, CUtensorMapSwizzle, CUtensorMapL2promotion (cuda.h)
+_DATA_TYPE = {"float16": 6, "bfloat16": 9}
+_SWIZZLE_128B = 3
+_L2_PROMOTION_256B = 3
+SLAB = 64  # columns per box: one 128-byte swizzled row of 16-bit elements (kernels_cu/sm90.cuh)
+
+# The arrays each map describes, as FwdParams fields: (pointer, seqlen, heads, row / head / batch strides)
+ARRAYS = {
+    "q": ("q", "seqlen_q", "nheads", "q_row_stride", "q_head_stride", "q_batch_stride"),
+    "k": ("k", "seqlen_k", "nheads_k", "k_row_stride", "k_head_stride", "k_batch_stride"),
+    "v": ("v", "seqlen_k", "nheads_k", "v_row_stride", "v_head_stride", "v_batch_stride"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _driver():
+    lib = ctypes.CDLL("libcuda.so.1")
+    u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
+    lib.cuTensorMapEncodeTiled.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p,
+                                           u64p, u32p, u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.cuTensorMapReplaceAddress.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    return lib
+
+
+def geometry(fwd, name: str, rows: int, itemsize: int = 2):
+    """(dims, byte strides, box) of one array's map, innermost first: (head_dim, seqlen, heads, batch),
+    boxes of SLAB columns x `rows` rows. fwd: a FWD_PARAMS record. A dimension of extent 1 is never
+    stepped, so its stride only needs to be valid (TMA takes positive multiples of 16 bytes); an empty one
+    (seqlen_k = 0) is never read, and is described as one row."""
+    _, seqlen, heads, *strides = ARRAYS[name]
+    dims = tuple(max(1, int(fwd[f])) for f in ("head_dim", seqlen, heads, "batch"))
+    byte_strides = tuple(int(fwd[s]) * itemsize if n > 1 else 16 for s, n in zip(strides, dims[1:]))
+    return dims, byte_strides, (SLAB, rows, 1, 1)
+
+
+def encode(out: np.ndarray, dtype: str, address: int, dims, byte_strides, box) -> None:
+    """cuTensorMapEncodeTiled into `out` (TENSOR_MAP_BYTES bytes, 64-byte aligned): 128-byte swizzle,
+    out-of-bounds elements read as zeros."""
+    c_dims = (ctypes.c_uint64 * 4)(*dims)
+    c_strides = (ctypes.c_uint64 * 3)(*byte_strides)
+    c_box = (ctypes.c_uint32 * 4)(*box)
+    c_elem = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
+    err = _driver().cuTensorMapEncodeTiled(out.ctypes.data, _DATA_TYPE[dtype], 4, address, c_dims, c_strides, c_box,
+                                           c_elem, 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0)
+    if err:
+        raise Unencodable(f"cuTensorMapEncodeTiled failed (CUresult {err}) for dims {dims}, byte strides "
+                           f"{byte_strides}, box {box}")
+
+
+class Unencodable(RuntimeError):
+    """The driver refused a tensor map: a layout TMA cannot describe (the call runs on the mma kernel)."""
+
+
+class SM90Params:
+    """A flash_fwd_sm90 params struct in a 64-byte aligned buffer: `raw` (uint8), FwdParams at offset 0 and
+    the q, k, v maps after it. `set_addresses(q, k, v)` points the maps at new arrays of the same geometry."""
+
+    def __init__(self, fwd, dtype: str, block_m: int, block_n: int):
+        size = FWD_SM90_PARAMS.itemsize
+        buf = np.zeros(size + 64, dtype=np.uint8)
+        start = -buf.ctypes.data % 64
+        self.raw = buf[start:start + size]
+        self.raw[:fwd.dtype.itemsize] = np.frombuffer(fwd.tobytes(), dtype=np.uint8)
+        self.maps = {}
+        for name, rows in (("q", block_m), ("k", block_n), ("v", block_n)):
+            off = FWD_SM90_PARAMS.fields[f"tma_{name}"][1]
+            self.maps[name] = self.raw[off:off + TENSOR_MAP_BYTES]
+            encode(self.maps[name], dtype, int(fwd[name]), *geometry(fwd, name, rows))
+        self._replace = _driver().cuTensorMapReplaceAddress
+        self._map_ptrs = [self.maps[n].ctypes.data for n in ("q", "k", "v")]
+
+    def set_addresses(self, q: int, k: int, v: int) -> None:
+        for ptr, address in zip(self._map_ptrs, (q, k, v)):
+            err = self._replace(ptr, address)
+            if err:
+                raise RuntimeError(f"cuTensorMapReplaceAddress failed (CUresult {err})")

@@ -1,0 +1,98 @@
+"""The Hopper forward (kernels_cu/flash_fwd_sm90.cu) beside the mma.sync forward, on a compute capability 9.0
+GPU (skipped elsewhere). The rest of the GPU suite runs it too, as every 16-bit dense forward's default
+there; these tests check what is its own: which family runs, that both families meet the accuracy rule on
+the same inputs, that a cached plan re-addresses its tensor maps, and the fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+
+import cuflash
+from cuflash import _plan, config
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def hopper(gpu):
+    from cuflash.backends import cuda
+
+    if cuda.compute_capability() != 90:
+        pytest.skip("needs a compute capability 9.0 GPU (H100, H200)")
+    return gpu
+
+
+def _qkv(gpu, key, dtype, b, sq, sk, h, hk, d):
+    rs = gpu.rng(key)
+    return [gpu.randn(rs, s, dtype) for s in ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d))]
+
+
+def _forward_error(gpu, dtype, causal, q, k, v, o, lse):
+    """max|o - ref64| against the rule's bound (2 x the same-precision error + atol), and max|lse - ref64|."""
+    cp = gpu.cp
+    r64, sp = gpu.references(dtype, causal, None, q, k, v, q, forward_sp=True)
+    mag = max(1.0, float(cp.max(cp.abs(r64["o"]))))
+    bound = 2 * gpu._max_abs(sp["o"], r64["o"]) + 1e-5 * mag
+    finite = cp.isfinite(r64["lse"])
+    lse_err = float(cp.max(cp.abs(cp.where(finite, lse.astype(cp.float64) - r64["lse"], 0.0))))
+    return gpu._max_abs(o, r64["o"]), bound, lse_err
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [40, 64, 128, 200, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_families_meet_the_rule_on_the_same_inputs(hopper, dtype, d, causal):
+    q, k, v = _qkv(hopper, f"sm90-{dtype}-{d}-{causal}", dtype, 2, 391, 517, 4, 2, d)
+    errors = {}
+    for family in ("sm90", "mma"):
+        with cuflash.kernel_family(family):
+            o, lse = cuflash.flash_attn_forward(q, k, v, causal=causal)
+        errors[family] = _forward_error(hopper, dtype, causal, q, k, v, o, lse)
+    for family, (err, bound, lse_err) in errors.items():
+        assert err <= bound and lse_err <= 1e-4, f"{family}: o error {err:.3e} (bound {bound:.3e}), lse {lse_err:.3e}"
+
+
+def test_hopper_forward_is_the_default(hopper):
+    from cuflash.backends import cuda
+
+    q, k, v = _qkv(hopper, "sm90-default", "bfloat16", 1, 256, 256, 2, 2, 128)
+    launches = cuda.forward_launches(q, k, v, hopper.nan_like(q), hopper.cp.empty((1, 2, 256), hopper.cp.float32),
+                                     causal=True, softmax_scale=128 ** -0.5)
+    assert isinstance(launches, cuda.TmaLaunches)
+    with cuflash.kernel_family("mma"):
+        launches = cuda.forward_launches(q, k, v, hopper.nan_like(q), hopper.cp.empty((1, 2, 256), hopper.cp.float32),
+                                         causal=True, softmax_scale=128 ** -0.5)
+    assert not isinstance(launches, cuda.TmaLaunches)
+
+
+def test_cached_plan_readdresses_its_tensor_maps(hopper):
+    """A plan made on one set of arrays runs another set of the same signature: its q, k, v tensor maps must
+    follow (the result equals a fresh, uncached call's bit for bit)."""
+    first = _qkv(hopper, "sm90-plan-a", "bfloat16", 2, 300, 300, 4, 4, 64)
+    second = _qkv(hopper, "sm90-plan-b", "bfloat16", 2, 300, 300, 4, 4, 64)
+    _plan.FORWARD.clear()
+    cuflash.flash_attn_forward(*first, causal=True)
+    assert len(_plan.FORWARD) == 1
+    o_cached, lse_cached = cuflash.flash_attn_forward(*second, causal=True)
+    _plan.FORWARD.clear()
+    o_fresh, lse_fresh = cuflash.flash_attn_forward(*second, causal=True)
+    assert hopper.same_bits(o_cached, o_fresh) == 0 and hopper.same_bits(lse_cached, lse_fresh) == 0
+
+
+def test_broadcast_kv_heads(hopper):
+    """k and v broadcast over heads (head stride 0): whatever kernel takes it, the result is right."""
+    cp = hopper.cp
+    q, k1, v1 = _qkv(hopper, "sm90-broadcast", "float16", 1, 200, 300, 4, 1, 128)
+    k, v = (cp.broadcast_to(x, (1, 300, 4, 128)) for x in (k1, v1))
+    o, lse = cuflash.flash_attn_forward(q, k, v, causal=False)
+    err, bound, lse_err = _forward_error(hopper, "float16", False, q, cp.ascontiguousarray(k), cp.ascontiguousarray(v),
+                                         o, lse)
+    assert err <= bound and lse_err <= 1e-4
+
+
+def test_forcing_sm90_where_it_cannot_serve_raises(hopper):
+    cp = hopper.cp
+    q, k, v = (x[0] for x in _qkv(hopper, "sm90-varlen", "bfloat16", 1, 64, 64, 2, 2, 64))
+    cu = cp.asarray([0, 30, 64], dtype=cp.int32)
+    with cuflash.kernel_family("sm90"), pytest.raises(ValueError, match="sm90 kernel family cannot serve"):
+        cuflash.flash_attn_varlen(q, k, v, cu, cu, 34, 34)
