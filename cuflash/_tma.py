@@ -71,7 +71,12 @@ class Unencodable(RuntimeError):
 
 class SM90Params:
     """A flash_fwd_sm90 params struct in a 64-byte aligned buffer: `raw` (uint8), FwdParams at offset 0 and
-    the q, k, v maps after it. `set_addresses(q, k, v)` points the maps at new arrays of the same geometry."""
+    the q, k, v maps after it. `set_addresses(q, k, v)` points the maps at new arrays of the same geometry.
+
+    A plan is built from its first call's arrays, whose pointers may be misaligned (the plan sends such calls
+    to the general path, which copies them): TMA takes 16-byte aligned addresses only, so the maps are encoded
+    at the address rounded down, and the plan re-addresses them before each run. A direct run's arrays are
+    aligned already (backends/cuda.py)."""
 
     def __init__(self, fwd, dtype: str, block_m: int, block_n: int):
         size = FWD_SM90_PARAMS.itemsize
@@ -83,7 +88,7 @@ class SM90Params:
         for name, rows in (("q", block_m), ("k", block_n), ("v", block_n)):
             off = FWD_SM90_PARAMS.fields[f"tma_{name}"][1]
             self.maps[name] = self.raw[off:off + TENSOR_MAP_BYTES]
-            encode(self.maps[name], dtype, int(fwd[name]), *geometry(fwd, name, rows))
+            encode(self.maps[name], dtype, int(fwd[name]) & ~15, *geometry(fwd, name, rows))
         self._replace = _driver().cuTensorMapReplaceAddress
         self._map_ptrs = [self.maps[n].ctypes.data for n in ("q", "k", "v")]
 
