@@ -5,7 +5,9 @@ so the simulated runs happen in ONE subprocess started with NUMBA_ENABLE_CUDASIM
 script, `--sim-worker OUT.npz`). It computes every case of SIM_CASES and VARIANT_CASES and saves
 inputs and outputs; the tests here compare SIM_CASES with cuflash.reference and VARIANT_CASES (window,
 softcap, ALiBi, dropout, varlen) with the NumPy backend, which specifies the variants. The rest of the suite keeps whatever numba mode it
-had. Tiles are tiny (16 x 16, 1-2 warps): the simulator runs each thread as a Python thread.
+had. Tiles are tiny (16 x 16, 1-2 warps): the simulator runs each thread as a Python thread. SM90_CASES run
+the Hopper forward's prototype (proto/flash_fwd_sm90.py, which the backend does not launch) at its smallest
+tiles: 64 or 128 query rows, a producer and one or two consumer warpgroups (256 or 384 threads).
 
 GPU tests (marked gpu) run the backend on the real device at moderate sizes against the reference and
 the CUDA backend; they skip themselves where no GPU is visible or the simulator is forced.
@@ -66,6 +68,24 @@ VARIANT_CASES = {
 # Through cuflash.api's varlen functions with backend="numba" (the backend's own config choice).
 API_VARLEN_CASE = (2, 1, 8, "float32", [0, 5, 9], [0, 3, 9],
                    {"window": (2, -1), "softcap": 2.5, "dropout_p": 0.2, "seed": 11, "offset": 3})
+
+# proto/flash_fwd_sm90.py, forward only: name -> (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal,
+# dtype, (cfg head_dim, block_m, block_n, warps), stages, variants). warps = 4 * (1 + block_m / 64); the cfg
+# head dim is the compiled one (64, 128, 256) the call's rounds up to. stages: the ring's depth (None: the
+# kernel's, config.sm90_stages, 4 at these tiles); 2 or 3 with more key blocks than that sends each stage
+# round the ring (the producer waits on k_empty / v_empty). Plain cases against cuflash.reference, those
+# with variants (VARIANT_CASES' keywords) against the NumPy backend.
+SM90_CASES = {
+    "sm90_f32_d40_causal_sq_lt_sk_ring2": (1, 20, 37, 1, 1, 40, True, "float32", (64, 64, 16, 8), 2, {}),
+    "sm90_f32_two_consumers_gqa_ring2": (1, 72, 70, 2, 1, 64, False, "float32", (64, 128, 16, 12), 2, {}),
+    "sm90_f16_d100_causal_sq_gt_sk_empty_rows": (1, 70, 40, 1, 1, 100, True, "float16", (128, 128, 32, 12), None,
+                                                 {}),
+    "sm90_f32_seqlen_k_zero": (1, 9, 0, 2, 1, 64, False, "float32", (64, 64, 16, 8), None, {}),
+    "sm90_f32_window_softcap_gqa_ring3": (1, 40, 90, 2, 1, 64, True, "float32", (64, 64, 16, 8), 3,
+                                          {"window": (10, -1), "softcap": 2.0}),
+    "sm90_f16_alibi_dropout_batch2": (2, 24, 50, 2, 2, 32, False, "float16", (64, 64, 32, 8), 2,
+                                      {"alibi": (2, 2), "dropout_p": 0.3, "seed": 0xABCDEF12345, "offset": 3}),
+}
 
 OUTPUTS = ("o", "lse", "dq", "dk", "dv")
 BWD_KERNELS = ("flash_bwd_preprocess", "flash_bwd", "flash_bwd_postprocess")
@@ -179,6 +199,58 @@ def _variant_inputs(seed, case):
     return q, k, v, do, kw
 
 
+def _sm90_variant_case(case):
+    """A SM90_CASES entry as a VARIANT_CASES one (dense), for _variant_inputs and _numpy_backend."""
+    b, sq, sk, h, hk, d, causal, dt, tile, _, variants = case
+    return b, sq, sk, h, hk, d, causal, dt, tile, variants, None
+
+
+def _sm90_forward(q, k, v, *, causal, softmax_scale, cfg, stages=None, **variants):
+    """(o, lse) of proto/flash_fwd_sm90.py, launched as the Numba backend launches flash_fwd (its _forward,
+    dense), with the same arguments."""
+    import functools
+
+    from cuflash.backends import numba as nb
+    from cuflash.config import dtype_name
+    from cuflash.proto.flash_fwd_sm90 import make_flash_fwd_sm90
+
+    dt = dtype_name(q.dtype)
+    b, sq, h, _ = q.shape
+    launcher = nb._Launcher()
+    o = np.empty(q.shape, np.float32 if dt == "bfloat16" else q.dtype)
+    lse = np.empty((b, h, sq), np.float64 if dt == "float64" else np.float32)
+    launcher.launch(functools.partial(make_flash_fwd_sm90, stages=stages), cfg, (-(-sq // cfg.block_m), h, b),
+                    launcher.inp(q), launcher.inp(k), launcher.inp(v), o, lse, *nb._scales(dt, softmax_scale),
+                    *nb._variant_args(launcher, np, dt, h, causal, **variants),
+                    np.zeros(1, dtype=np.int32), np.zeros((1, 1), dtype=np.int32))
+    return nb._finish(None, o, q.dtype), lse
+
+
+def _sm90_refusals() -> list[str]:
+    """make_flash_fwd_sm90 refuses what the CUDA kernel does not serve or cannot be built for."""
+    from cuflash.config import PAGED, SEQUSED, VARLEN, KernelConfig
+    from cuflash.proto.flash_fwd_sm90 import make_flash_fwd_sm90
+
+    fails = []
+    bad = [KernelConfig("flash_fwd_sm90", "float16", 64, 128, 64, 12, bits) for bits in (VARLEN, SEQUSED, PAGED)]
+    bad += [KernelConfig("flash_fwd", "float16", 64, 128, 64, 12, 0),  # another kernel
+            KernelConfig("flash_fwd_sm90", "float16", 64, 96, 64, 12, 0),  # block_m not whole warpgroups
+            KernelConfig("flash_fwd_sm90", "float16", 64, 128, 64, 8, 0),  # one warpgroup short
+            KernelConfig("flash_fwd_sm90", "float16", 96, 128, 64, 12, 0)]  # head_dim not whole 64-column slabs
+    for cfg in bad:
+        try:
+            make_flash_fwd_sm90(cfg)
+            fails.append(f"no ValueError for {cfg}")
+        except ValueError:
+            pass
+    try:
+        make_flash_fwd_sm90(KernelConfig("flash_fwd_sm90", "float16", 64, 128, 64, 12, 0), stages=1)
+        fails.append("no ValueError for a ring of one stage")
+    except ValueError:
+        pass
+    return fails
+
+
 def _sim_worker(out_path: str) -> None:
     import dataclasses
 
@@ -234,6 +306,21 @@ def _sim_worker(out_path: str) -> None:
                 res = {key: x[0] for key, x in res.items()}
             for key, x in res.items():
                 arrays[f"{name}/{key}"] = x
+            failures[name] = ""
+        except Exception:
+            failures[name] = traceback.format_exc()
+        timings[name] = time.perf_counter() - t0
+
+    failures["sm90_refusals"] = "\n".join(_sm90_refusals())
+    for seed, (name, case) in enumerate(SM90_CASES.items(), start=200):
+        b, sq, sk, h, hk, d, causal, dt, (cd, bm, bn, warps), stages, _ = case
+        t0 = time.perf_counter()
+        try:
+            q, k, v, _, kw = _variant_inputs(seed, _sm90_variant_case(case))
+            cfg = KernelConfig("flash_fwd_sm90", dt, cd, bm, bn, warps, _params.variant(causal, **kw))
+            o, lse = _sm90_forward(q, k, v, causal=causal, softmax_scale=1.0 / math.sqrt(d), cfg=cfg, stages=stages,
+                                   **kw)
+            arrays[f"{name}/o"], arrays[f"{name}/lse"] = o, lse
             failures[name] = ""
         except Exception:
             failures[name] = traceback.format_exc()
@@ -417,9 +504,9 @@ def _numpy_backend(case, seed):
     return dict(zip(OUTPUTS, (o, lse, *grads)))
 
 
-def _compare_with_numpy(sim, name, want, dt):
+def _compare_with_numpy(sim, name, want, dt, keys=OUTPUTS):
     tol = {"float64": (1e-12, 1e-11), "float32": (2e-6, 1e-5), "float16": (2e-3, 5e-3)}[dt]
-    for key in OUTPUTS:
+    for key in keys:
         got = sim.get(f"{name}/{key}")
         assert got is not None, f"{name}: no {key}"
         assert got.shape == want[key].shape and got.dtype == want[key].dtype, key
@@ -491,6 +578,49 @@ def test_sim_deterministic(sim):
     for run in range(2, 1 + DETERMINISTIC_RUNS):
         for key in ("dq", "dk", "dv"):
             assert np.array_equal(sim[f"deterministic/{key}{run}"], sim[f"deterministic/{key}1"]), (run, key)
+
+
+@pytest.mark.parametrize("name", list(SM90_CASES))
+def test_sim_sm90_forward(sim, name):
+    """The Hopper forward's prototype: O and LSE of cuflash.reference (plain cases, test_sim_case's rules) or of
+    the NumPy backend (variants), rows that see no key giving O = 0 and LSE = -inf; every mbarrier wait found
+    its phase complete (the prototype raises otherwise)."""
+    from cuflash import reference
+
+    failure = str(sim[f"{name}/failure"])
+    assert not failure, failure
+    case = SM90_CASES[name]
+    b, sq, sk, h, hk, d, causal, dt, _, _, variants = case
+    seed = 200 + list(SM90_CASES).index(name)
+    q, k, v, do, kw = _variant_inputs(seed, _sm90_variant_case(case))
+    o, lse = sim[f"{name}/o"], sim[f"{name}/lse"]
+    assert o.shape == q.shape and o.dtype == q.dtype
+    assert lse.shape == (b, h, sq) and lse.dtype == np.float32
+    if variants:
+        _compare_with_numpy(sim, name, _numpy_backend(_sm90_variant_case(case), seed), dt, keys=("o", "lse"))
+        return
+    scale = 1.0 / math.sqrt(d)
+    rows = np.arange(sq)
+    empty = (np.minimum(sk, rows + 1 + sk - sq) <= 0) if causal else np.full(sq, sk == 0)
+    assert np.all(o[:, empty].astype(np.float64) == 0)
+    assert np.all(lse[:, :, empty] == -np.inf)
+    assert np.all(np.isfinite(lse[:, :, ~empty]))
+    refs = reference.forward(q, k, v, causal=causal, softmax_scale=scale)
+    tol = _tolerance(dt)
+    for key, x, ref, i in (("o", o, refs[0], 0), ("lse", lse, refs[1], 1)):
+        if tol is not None:
+            err, bound = reference.max_abs_error(x, ref), tol[0]
+        else:  # test_sim_case's accuracy rule against a materialized attention stored in the dtype
+            same = reference.forward(q, k, v, causal=causal, softmax_scale=scale, precision=dt)[i]
+            err, bound = reference.accuracy_bound(x, ref, same, atol=1e-3)
+        assert err <= bound, f"{name} {key}: max abs error {err:.3g} > {bound:.3g}"
+
+
+def test_sim_sm90_refusals(sim):
+    """make_flash_fwd_sm90 raises ValueError for varlen, seqused, paged, another kernel, a block_m or warps that
+    are not whole warpgroups, a head_dim that is not whole 64-column slabs, a ring of one stage."""
+    failure = str(sim["sm90_refusals/failure"])
+    assert not failure, failure
 
 
 def test_sim_runtime_report(sim):

@@ -51,6 +51,19 @@ SIMT_BWD_STEPS = [
     (12, "dQ += dS K"),
     (13, "Store dQ * softmax_scale"),
 ]
+# kernels_cu/flash_fwd_sm90.cu (Hopper: a producer warpgroup, consumer warpgroups) and cuflash/proto/flash_fwd_sm90.py:
+# flash_fwd.cu's steps [1], [4] and [7] word for word.
+SM90_FWD_STEPS = [
+    FWD_STEPS[0],
+    (2, "Producer: the Q tile, then K and V of each key block into a free stage of the ring (TMA)"),
+    (3, "S = Q K^T (wgmma from shared memory)"),
+    FWD_STEPS[3],
+    (5, "Online softmax: update row_max and row_sum, P = exp2(S * scale_log2 - row_max * scale_log2); acc_o's "
+        "rescale waits for P V"),
+    (6, "O += dropout(P) V (wgmma, P from registers)"),
+    FWD_STEPS[6],
+    (8, "Store O and LSE: O through this warpgroup's own rows of sQ (its last S = Q K^T has completed)"),
+]
 # kernels_cu/mask.cuh and cuflash/proto/mask.py: one step per rule of Mask and ScoreMod, in functions of
 # the same names (the mma.sync layout walks of mma.cuh have no prototype and no step).
 MASK_STEPS = [
@@ -115,6 +128,8 @@ def assert_same(a: Path, b: Path, *, drop=()):
     (KERNELS / "flash_fwd.cu", FWD_STEPS),
     (KERNELS / "flash_fwd_simt.cu", FWD_STEPS),
     (PROTO / "flash_fwd.py", FWD_STEPS),
+    (KERNELS / "flash_fwd_sm90.cu", SM90_FWD_STEPS),
+    (PROTO / "flash_fwd_sm90.py", SM90_FWD_STEPS),
     (KERNELS / "flash_bwd.cu", BWD_STEPS),
     (KERNELS / "flash_bwd_simt.cu", SIMT_BWD_STEPS),
     (PROTO / "flash_bwd.py", BWD_STEPS),
@@ -137,6 +152,7 @@ def test_contract_steps(path, expected):
 
 @pytest.mark.parametrize("cpp,py", [
     ("flash_fwd.cu", "flash_fwd.py"),
+    ("flash_fwd_sm90.cu", "flash_fwd_sm90.py"),
     ("flash_bwd.cu", "flash_bwd.py"),
     ("mask.cuh", "mask.py"),
     ("softmax.cuh", "softmax.py"),
@@ -157,6 +173,12 @@ def test_simt_backward_shares_the_tensor_core_steps():
     assert shared and shared == [s for s in steps(KERNELS / "flash_bwd_simt.cu") if 3 <= s[0] <= 8]
 
 
+def test_sm90_forward_shares_the_tensor_core_steps():
+    """flash_fwd_sm90.cu takes flash_fwd.cu's steps [1], [4] and [7] word for word."""
+    shared = [s for s in steps(KERNELS / "flash_fwd.cu") if s[0] in (1, 4, 7)]
+    assert len(shared) == 3 and shared == [s for s in steps(KERNELS / "flash_fwd_sm90.cu") if s[0] in (1, 4, 7)]
+
+
 def test_numpy_backend_steps_are_a_subsequence():
     """cuflash/backends/numpy.py may skip steps (it has no tiles to load) but not reorder or reword."""
     ref = steps(KERNELS / "flash_fwd.cu") + steps(KERNELS / "flash_bwd.cu")
@@ -172,6 +194,20 @@ def test_prototype_mma_markers():
     for name, at_least in (("flash_fwd.py", 2), ("flash_bwd.py", 6)):
         n = (PROTO / name).read_text().count("# CUDA: mma.sync")
         assert n >= at_least, f"{name}: {n} `# CUDA: mma.sync` markers, expected >= {at_least}"
+
+
+def test_sm90_prototype_names():
+    """proto/flash_fwd_sm90.py keeps the kernel's names for its roles, barriers and pipeline pieces, and marks
+    its two wgmma products (S = Q K^T, P V) as `# CUDA: wgmma` FMA loops."""
+    cu = (KERNELS / "flash_fwd_sm90.cu").read_text()
+    py = (PROTO / "flash_fwd_sm90.py").read_text()
+    for name in ("producer", "consumer", "k_full", "v_full", "k_empty", "v_empty", "issue_s", "softmax_of",
+                 "issue_pv", "release", "to_p_frag", "correction", "n_blocks", "n_block_end", "use"):
+        assert re.search(rf"\b{name}\b", cu), f"flash_fwd_sm90.cu has no {name}"
+        assert re.search(rf"\b{name}\b", py), f"proto/flash_fwd_sm90.py has no {name}"
+    for name in ("issue_s", "softmax_of", "issue_pv", "release", "to_p_frag", "producer"):
+        assert re.search(rf"^    def {name}\(", py, re.M), f"proto/flash_fwd_sm90.py defines no {name}"
+    assert py.count("# CUDA: wgmma") >= 2
 
 
 def test_prototype_mask_names():

@@ -1,8 +1,11 @@
-"""Mirror of kernels_cu/softmax.cuh (struct OnlineSoftmax: init, update, finalize) for the prototypes.
+"""Mirror of kernels_cu/softmax.cuh (struct OnlineSoftmax: init, update, rescale, finalize) for the prototypes.
 
 The C++ struct holds row_max and row_sum in registers; here they are per-thread local arrays that the
 kernel passes in, and the methods are device functions softmax_init / softmax_update /
-softmax_finalize. As in C++, row_max is the running max of the raw (unscaled) scores.
+softmax_finalize. As in C++, row_max is the running max of the raw (unscaled) scores. softmax.cuh's
+second update(acc_s, scale_log2, correction), which leaves acc_o alone and returns its rescale factors
+for a later rescale(acc_o, correction) (flash_fwd_sm90.cu: acc_o is still taking P V then), is
+softmax_update_correction and softmax_rescale; softmax_update is the two in a row, as in C++.
 
 Each thread owns `rpt` query rows of the tile (rows row0, row0 + row_stride, ...) and, within each,
 every tpr-th column; acc_s[i, :] and acc_o[i, :] are its columns of row i. row_max is kept
@@ -61,42 +64,60 @@ def allreduce_sum(red, vals, row0, row_stride, lane, tpr):
 
 
 @cuda.jit(device=True)
-def softmax_update(acc_s, acc_o, row_max, row_sum, tile_max, red, row0, row_stride, lane, tpr, scale_log2):
-    """One key block of the online softmax.
+def softmax_update_correction(acc_s, correction, row_max, row_sum, red, row0, row_stride, lane, tpr, scale_log2):
+    """One key block of the online softmax, acc_o left alone (softmax.cuh update(acc_s, scale_log2, correction)).
 
-    New row_max = max(old row_max, this block's row max); acc_o and row_sum are rescaled by
-    exp2((old - new) * scale_log2); acc_s becomes P = exp2(S * scale_log2 - row_max * scale_log2)
-    and its row sums are added to row_sum. tile_max is a scratch local array of rpt elements.
-    A row whose max is still -inf (all its keys masked so far) subtracts 0 instead, so P = 0 and
-    the rescale factor is exp2(-inf) = 0, never NaN.
+    New row_max = max(old row_max, this block's row max); row_sum is rescaled by, and correction[i]
+    set to, exp2((old - new) * scale_log2), the factor softmax_rescale applies to acc_o row i; acc_s
+    becomes P = exp2(S * scale_log2 - row_max * scale_log2) and its row sums are added to row_sum.
+    correction (rpt elements) holds the reduced row max until it takes the factor. A row whose max is
+    still -inf (all its keys masked so far) subtracts 0 instead, so P = 0 and its factor is
+    exp2(-inf) = 0, never NaN (C++ takes 1 there: either leaves that row's acc_o and row_sum at 0).
     """
     # [2] Row max of the key block, reduced over the row's threads: m = max(row_max, max_j S)
     for i in range(acc_s.shape[0]):
         m = row_max[i]
         for j in range(acc_s.shape[1]):
             m = max(m, acc_s[i, j])
-        tile_max[i] = m
-    allreduce_max(red, tile_max, row0, row_stride, lane, tpr)
+        correction[i] = m
+    allreduce_max(red, correction, row0, row_stride, lane, tpr)
     for i in range(acc_s.shape[0]):
-        m_new = tile_max[i]
+        m_new = correction[i]
         # [3] Offset m * scale_log2 for exp2, or 0 for a row that has seen no key (its P is 0, never NaN)
         if m_new == -math.inf:
-            tile_max[i] = 0  # subtract 0 instead of -inf (stored through the array: stays acc_t)
-        max_scaled = tile_max[i] * scale_log2
+            correction[i] = 0  # subtract 0 instead of -inf (stored through the array: stays acc_t)
+        max_scaled = correction[i] * scale_log2
         # [4] Rescale acc_o and row_sum by exp2((old row_max - new row_max) * scale_log2), difference first
         # (old - new) first: exactly 0 when the max did not move, so the correction is exactly 1.
         # exp2(row_max * scale_log2 - max_scaled) is not: contracted into an FMA it keeps the rounding
         # error of max_scaled, a bias of the same sign at every key block (LSE off by ~5e-6 in fp32
-        # after 40 blocks, measured on an emulation of this kernel; ~7e-7 this way).
-        scores_scale = math.exp2((row_max[i] - tile_max[i]) * scale_log2)
+        # after 40 blocks, measured on an emulation of this kernel; ~7e-7 this way). acc_o's share of the
+        # rescale is softmax_rescale's.
+        correction[i] = math.exp2((row_max[i] - correction[i]) * scale_log2)
         row_max[i] = m_new
-        for j in range(acc_o.shape[1]):
-            acc_o[i, j] *= scores_scale
-        row_sum[i] *= scores_scale
+        row_sum[i] *= correction[i]
         # [5] P = exp2(S * scale_log2 - offset) in place of S; add the row sums of P to row_sum
         for j in range(acc_s.shape[1]):
             acc_s[i, j] = math.exp2(acc_s[i, j] * scale_log2 - max_scaled)
             row_sum[i] += acc_s[i, j]
+
+
+@cuda.jit(device=True)
+def softmax_rescale(acc_o, correction):
+    # softmax.cuh rescale: acc_o row i *= correction[i] (softmax_update_correction's factors)
+    for i in range(acc_o.shape[0]):
+        for j in range(acc_o.shape[1]):
+            acc_o[i, j] *= correction[i]
+
+
+@cuda.jit(device=True)
+def softmax_update(acc_s, acc_o, row_max, row_sum, tile_max, red, row0, row_stride, lane, tpr, scale_log2):
+    """One key block of the online softmax: softmax_update_correction, then softmax_rescale of acc_o.
+
+    tile_max is a scratch local array of rpt elements (it ends holding the rescale factors).
+    """
+    softmax_update_correction(acc_s, tile_max, row_max, row_sum, red, row0, row_stride, lane, tpr, scale_log2)
+    softmax_rescale(acc_o, tile_max)
 
 
 @cuda.jit(device=True)
