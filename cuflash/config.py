@@ -327,6 +327,7 @@ def sm90_stages(cfg: KernelConfig) -> int:
     q, kv = cfg.block_m * cfg.head_dim * 2, cfg.block_n * cfg.head_dim * 2
     return min(4, (SMEM_LIMIT[90] - 1024 - q - 8 * (1 + 4 * 4)) // (2 * kv))
 
+
 # Kernel families a caller can force (benchmarks, tests): kernel_family("mma") runs the mma.sync kernels on a
 # Hopper GPU. None: each call takes the fastest family that serves it.
 FORCEABLE_FAMILIES = ("mma", "sm90")
