@@ -392,7 +392,9 @@ def _sim_worker(out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def sim(tmp_path_factory):
-    return simulator_results(__file__, tmp_path_factory.mktemp("proto_sim"), timeout=600)
+    # One worker runs every simulator case: 6.5 min on a 2-core machine beside another job, and a CI
+    # dry run's NVRTC 12 stage once took over 10 min. The limit only catches a hang.
+    return simulator_results(__file__, tmp_path_factory.mktemp("proto_sim"), timeout=1800)
 
 
 def _case(sim, name):
