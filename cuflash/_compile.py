@@ -219,6 +219,7 @@ class PtxasReport:
     stack_bytes: int
     smem_static: int
     log: str
+    serialized: bool = False  # ptxas serialized the wgmmas (C7512: too few registers to keep them in flight)
 
 
 def _cuda_include_dirs() -> list[str]:
@@ -290,6 +291,7 @@ _FN = re.compile(r"Compiling entry function '(\S+)' for '(sm_\d+a?)'")
 _REG = re.compile(r"Used (\d+) registers")
 _SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _SMEM = re.compile(r"(\d+) bytes smem")
+_SERIALIZED = re.compile(r"\(C7512\).*serialized.*for the function '(\S+)'")
 
 
 def ptxas_reports(configs: list[KernelConfig], arch) -> list[PtxasReport]:
@@ -302,11 +304,12 @@ def ptxas_reports(configs: list[KernelConfig], arch) -> list[PtxasReport]:
         names = [c.template_name for c in cfgs]
         log, lowered = nvrtc_compile(filename, names, arch)
         sections = _split_log(log)
+        serialized = set(_SERIALIZED.findall(log))
         for n in names:
             text = sections.get(lowered[n])
             if text is None:
                 raise RuntimeError(f"no ptxas report for {n} in:\n{log}")
-            out.append(_parse(n, arch, text))
+            out.append(dataclasses.replace(_parse(n, arch, text), serialized=lowered[n] in serialized))
     return out
 
 

@@ -60,6 +60,15 @@ FWD_SM90_PARAMS = np.dtype({
     "itemsize": _TMA0 + 3 * TENSOR_MAP_BYTES,
 })
 
+# flash_bwd_sm90's params: BwdParams, then the maps of q, k, v and dout.
+_TMA0_BWD = -(-BWD_PARAMS.itemsize // 64) * 64
+BWD_SM90_PARAMS = np.dtype({
+    "names": ["bwd", "tma_q", "tma_k", "tma_v", "tma_do"],
+    "formats": [BWD_PARAMS, *[(np.uint8, TENSOR_MAP_BYTES)] * 4],
+    "offsets": [0, *(_TMA0_BWD + TENSOR_MAP_BYTES * i for i in range(4))],
+    "itemsize": _TMA0_BWD + 4 * TENSOR_MAP_BYTES,
+})
+
 LOG2E = 1.4426950408889634
 UNBOUNDED = 1 << 30  # a window bound of -1 (kUnbounded in kernels_cu/mask.cuh)
 

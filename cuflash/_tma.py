@@ -1,9 +1,9 @@
-"""Tensor maps: how the Hopper kernels' bulk tensor copies (TMA) see q, k and v.
+"""Tensor maps: how the Hopper kernels' bulk tensor copies (TMA) see q, k, v (and the backward's dout).
 
 A CUtensorMap is 128 opaque bytes that the CUDA driver encodes (cuTensorMapEncodeTiled) from a global
 address, the extent and byte stride of each dimension, and the box one copy brings into shared memory.
-The kernel reads it from its parameters (kernels_cu/params.cuh, FwdSm90Params). A plan reuses its
-params bytes from call to call, so only the address changes: cuTensorMapReplaceAddress rewrites it.
+The kernel reads it from its parameters (kernels_cu/params.cuh, FwdSm90Params and BwdSm90Params). A plan
+reuses its params bytes from call to call, so only the address changes: cuTensorMapReplaceAddress rewrites it.
 Called through ctypes on the driver library CuPy has loaded: no other dependency.
 """
 
@@ -14,7 +14,7 @@ import functools
 
 import numpy as np
 
-from ._params import FWD_SM90_PARAMS, TENSOR_MAP_BYTES
+from ._params import TENSOR_MAP_BYTES
 
 # CUtensorMapDataType, CUtensorMapSwizzle, CUtensorMapL2promotion (cuda.h)
 _DATA_TYPE = {"float16": 6, "bfloat16": 9}
@@ -22,12 +22,19 @@ _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
 SLAB = 64  # columns per box: one 128-byte swizzled row of 16-bit elements (kernels_cu/sm90.cuh)
 
-# The arrays each map describes, as FwdParams fields: (pointer, seqlen, heads, row / head / batch strides)
+# The arrays each map describes: (pointer, seqlen, heads, row / head / batch strides), FwdParams fields but
+# for dout's pointer and strides (BwdParams)
 ARRAYS = {
     "q": ("q", "seqlen_q", "nheads", "q_row_stride", "q_head_stride", "q_batch_stride"),
     "k": ("k", "seqlen_k", "nheads_k", "k_row_stride", "k_head_stride", "k_batch_stride"),
     "v": ("v", "seqlen_k", "nheads_k", "v_row_stride", "v_head_stride", "v_batch_stride"),
+    "do": ("dout", "seqlen_q", "nheads", "do_row_stride", "do_head_stride", "do_batch_stride"),
 }
+
+
+def _holder(p, field: str):
+    """The record holding `field`: a BwdParams record `p` keeps the forward's fields in p["fwd"]."""
+    return p if field in p.dtype.names else p["fwd"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,14 +47,16 @@ def _driver():
     return lib
 
 
-def geometry(fwd, name: str, rows: int, itemsize: int = 2):
+def geometry(p, name: str, rows: int, itemsize: int = 2):
     """(dims, byte strides, box) of one array's map, innermost first: (head_dim, seqlen, heads, batch),
-    boxes of SLAB columns x `rows` rows. fwd: a FWD_PARAMS record. A dimension of extent 1 is never
-    stepped, so its stride only needs to be valid (TMA takes positive multiples of 16 bytes); an empty one
-    (seqlen_k = 0) is never read, and is described as one row."""
+    boxes of SLAB columns x `rows` rows. p: a FWD_PARAMS or BWD_PARAMS record. A dimension of extent 1 is
+    never stepped, so its stride only needs to be valid (TMA takes positive multiples of 16 bytes); an empty
+    one (seqlen_k = 0) is never read, and is described as one row."""
     _, seqlen, heads, *strides = ARRAYS[name]
+    fwd = _holder(p, "head_dim")
     dims = tuple(max(1, int(fwd[f])) for f in ("head_dim", seqlen, heads, "batch"))
-    byte_strides = tuple(int(fwd[s]) * itemsize if n > 1 else 16 for s, n in zip(strides, dims[1:]))
+    held = _holder(p, strides[0])
+    byte_strides = tuple(int(held[s]) * itemsize if n > 1 else 16 for s, n in zip(strides, dims[1:]))
     return dims, byte_strides, (SLAB, rows, 1, 1)
 
 
@@ -70,30 +79,45 @@ class Unencodable(RuntimeError):
 
 
 class SM90Params:
-    """A flash_fwd_sm90 params struct in a 64-byte aligned buffer: `raw` (uint8), FwdParams at offset 0 and
-    the q, k, v maps after it. `set_addresses(q, k, v)` points the maps at new arrays of the same geometry.
+    """A Hopper kernel's params struct (_params.FWD_SM90_PARAMS or BWD_SM90_PARAMS: `layout`) in a 64-byte
+    aligned buffer: `raw` (uint8), the FwdParams or BwdParams record `p` at offset 0 and a map of each array in
+    `boxes` ({name: box rows}) after it. `follow()` points the maps at the arrays whose pointers are in `raw`
+    now (after a plan patched them): same geometry, new addresses.
 
     A plan is built from its first call's arrays, whose pointers may be misaligned (the plan sends such calls
     to the general path, which copies them): TMA takes 16-byte aligned addresses only, so the maps are encoded
     at the address rounded down, and the plan re-addresses them before each run. A direct run's arrays are
     aligned already (backends/cuda.py)."""
 
-    def __init__(self, fwd, dtype: str, block_m: int, block_n: int):
-        size = FWD_SM90_PARAMS.itemsize
-        buf = np.zeros(size + 64, dtype=np.uint8)
+    def __init__(self, layout: np.dtype, p, dtype: str, boxes: dict[str, int]):
+        buf = np.zeros(layout.itemsize + 64, dtype=np.uint8)
         start = -buf.ctypes.data % 64
-        self.raw = buf[start:start + size]
-        self.raw[:fwd.dtype.itemsize] = np.frombuffer(fwd.tobytes(), dtype=np.uint8)
-        self.maps = {}
-        for name, rows in (("q", block_m), ("k", block_n), ("v", block_n)):
-            off = FWD_SM90_PARAMS.fields[f"tma_{name}"][1]
-            self.maps[name] = self.raw[off:off + TENSOR_MAP_BYTES]
-            encode(self.maps[name], dtype, int(fwd[name]) & ~15, *geometry(fwd, name, rows))
+        self.raw = buf[start:start + layout.itemsize]
+        self.raw[:p.dtype.itemsize] = np.frombuffer(p.tobytes(), dtype=np.uint8)
+        self._follow = []  # (map address, byte offset in raw of the pointer it follows, the address it holds)
+        for name, rows in boxes.items():
+            off = layout.fields[f"tma_{name}"][1]
+            tensor_map = self.raw[off:off + TENSOR_MAP_BYTES]
+            pointer = ARRAYS[name][0]
+            address = int(_holder(p, pointer)[pointer]) & ~15
+            encode(tensor_map, dtype, address, *geometry(p, name, rows))
+            self._follow.append((tensor_map.ctypes.data, _offset(p.dtype, pointer), address))
         self._replace = _driver().cuTensorMapReplaceAddress
-        self._map_ptrs = [self.maps[n].ctypes.data for n in ("q", "k", "v")]
 
-    def set_addresses(self, q: int, k: int, v: int) -> None:
-        for ptr, address in zip(self._map_ptrs, (q, k, v)):
-            err = self._replace(ptr, address)
-            if err:
-                raise RuntimeError(f"cuTensorMapReplaceAddress failed (CUresult {err})")
+    def follow(self) -> None:
+        raw = self.raw
+        for i, (tensor_map, off, address) in enumerate(self._follow):
+            now = int(raw[off:off + 8].view(np.uint64)[0])
+            if now != address:
+                err = self._replace(tensor_map, now)
+                if err:
+                    raise RuntimeError(f"cuTensorMapReplaceAddress failed (CUresult {err})")
+                self._follow[i] = (tensor_map, off, now)
+
+
+def _offset(dtype: np.dtype, field: str) -> int:
+    """Byte offset of a pointer field in a FwdParams or BwdParams record (BwdParams: the forward's in "fwd")."""
+    if field in dtype.names:
+        return dtype.fields[field][1]
+    fwd, base = dtype.fields["fwd"]
+    return base + fwd.fields[field][1]

@@ -41,6 +41,7 @@ SOURCES = {
     "flash_fwd_sm90": "flash_fwd_sm90.cu",
     "flash_bwd_preprocess": "flash_bwd.cu",
     "flash_bwd": "flash_bwd.cu",
+    "flash_bwd_sm90": "flash_bwd_sm90.cu",
     "flash_bwd_postprocess": "flash_bwd.cu",
     "flash_fwd_simt": "flash_fwd_simt.cu",
     "flash_bwd_dkdv_simt": "flash_bwd_simt.cu",
@@ -159,6 +160,10 @@ _TILES: dict[str, dict[int, tuple[int, int, int]]] = {
     # Hopper: warps = 4 per warpgroup, a producer and one consumer per 64 query rows. Compiled for head dims
     # that are whole 64-column slabs (a call's head dim rounds up to the next; TMA fills the rest with zeros).
     "flash_fwd_sm90": {64: (128, 128, 12), 128: (128, 128, 12), 256: (128, 64, 12)},
+    # Hopper backward: a producer and one consumer per 64 keys; dQ in 64 x 64 tiles, one per consumer or one
+    # in all (block_m / 64 * head_dim / 64 of them). Head dims up to 128: dK and dV of 64 keys x the head dim
+    # live in registers. At d = 64, 128 x 128 runs out of registers (ptxas serializes the wgmmas).
+    "flash_bwd_sm90": {64: (64, 128, 12), 128: (64, 128, 12)},
     "flash_bwd": {32: (128, 128, 8), 64: (128, 128, 8), 96: (64, 128, 8), 128: (64, 128, 8),
                   160: (64, 64, 8), 192: (64, 64, 8), 224: (64, 64, 8), 256: (64, 64, 8)},
     # SIMT (float32 / float64): each row must fit both dtypes (double smem <= 163 KiB on sm_80, no spills)
@@ -206,6 +211,9 @@ def smem_bytes(cfg: KernelConfig) -> int:
         return 1024 + (bm + 2 * stages * bn) * d * e + 8 * (1 + 4 * stages)
     if cfg.kernel in ("flash_bwd_preprocess", "flash_bwd_postprocess"):
         return 0
+    if cfg.kernel == "flash_bwd_sm90":  # Sm90BwdSmem: slack, K, V, 2 stages of Q and dO, 2 dS, LSE and D, mbarriers
+        stages = 2
+        return 1024 + (2 * bn * d + 2 * stages * bm * d + 2 * bm * bn) * e + 2 * stages * bm * 4 + 8 * (1 + 4 * stages)
     if cfg.kernel == "flash_bwd":  # K, V tiles; dS^T tile (and P^T when warps share keys); per stage Q, dO, LSE, D
         warps_sharing_keys = cfg.warps // (bn // 16)  # kWM in flash_bwd.cu
         fixed = 2 * bn * row * e + (2 if warps_sharing_keys > 1 else 1) * bn * (bm + pad) * e
@@ -296,12 +304,15 @@ def choose_forward(dtype, head_dim: int, variant: int, *, compute_capability: in
 
 
 def choose_backward(dtype, head_dim: int, variant: int, *, key_slabs: int = 0, seqlen_k: int = 0,
-                    sms: int = 0) -> tuple[KernelConfig, KernelConfig, KernelConfig]:
+                    sms: int = 0, compute_capability: int = 0,
+                    family: str | None = None) -> tuple[KernelConfig, KernelConfig, KernelConfig]:
     """The three launches of one backward call, in order. key_slabs (batch * nheads_k), seqlen_k and sms
     (the GPU's multiprocessors), where given, let a small problem take _TILES_SMALL_GRID's tile.
 
     fp16 / bf16: (flash_bwd_preprocess, flash_bwd, flash_bwd_postprocess): D and a zeroed fp32 dQ
-    accumulator; one pass over key blocks (dK, dV, and dQ added into the accumulator); dQ converted.
+    accumulator; one pass over key blocks (dK, dV, and dQ added into the accumulator); dQ converted. On
+    compute capability 9.0 the middle one is flash_bwd_sm90, except for what it does not serve
+    (sm90_serves_backward); family as for choose_forward.
     fp32 / fp64: (flash_bwd_preprocess, flash_bwd_dkdv_simt, flash_bwd_dq_simt): dQ in a kernel of its own,
     deterministic without DETERMINISTIC (which they drop)."""
     dt = dtype_name(dtype)
@@ -310,16 +321,35 @@ def choose_backward(dtype, head_dim: int, variant: int, *, key_slabs: int = 0, s
     if dt not in TENSOR_CORE_DTYPES:
         variant &= ~DETERMINISTIC
         return pre, _make("flash_bwd_dkdv_simt", dt, head_dim, variant), _make("flash_bwd_dq_simt", dt, head_dim, variant)
+    post = _per_row("flash_bwd_postprocess", dt, variant)
+    hopper = compute_capability == 90 and sm90_serves_backward(head_dim, variant)
+    if family == "sm90" and not hopper:
+        raise ValueError("the sm90 kernel family cannot serve this backward: "
+                         + ("it needs compute capability 9.0" if compute_capability != 90
+                            else "varlen, deterministic and head dims over 128 run on the mma family"))
+    if hopper and family != "mma":
+        return pre, _make("flash_bwd_sm90", dt, head_dim, variant), post
     main = _make("flash_bwd", dt, head_dim, variant)
     small = _TILES_SMALL_GRID["flash_bwd"].get(main.head_dim)
     if small and not variant & HEAVY and key_slabs * ceil_div(seqlen_k, main.block_n) < sms // 2:
         main = dataclasses.replace(main, block_m=small[0], block_n=small[1], warps=small[2])
-    return pre, main, _per_row("flash_bwd_postprocess", dt, variant)
+    return pre, main, post
 
 
 # What flash_fwd_sm90 does not serve (choose_forward sends it to flash_fwd): per-sequence row offsets and key
 # counts, whose tiles TMA boxes over the whole array would not respect.
 SM90_UNSERVED = VARLEN | SEQUSED | PAGED
+# flash_bwd_sm90 adds into dQ as it comes (DETERMINISTIC's ordered adds are flash_bwd's). Above d = 64 the
+# softcap's derivative and dropout's keep mask take registers it lacks (the compile gate: spills).
+SM90_BWD_UNSERVED = SM90_UNSERVED | DETERMINISTIC
+SM90_BWD_UNSERVED_ABOVE_64 = SOFTCAP | DROPOUT
+
+
+def sm90_serves_backward(head_dim: int, variant: int) -> bool:
+    """Does flash_bwd_sm90 serve a backward call? (else flash_bwd does; README Limits lists these)"""
+    if head_dim > max(_TILES["flash_bwd_sm90"]) or variant & SM90_BWD_UNSERVED:
+        return False
+    return head_dim <= 64 or not variant & SM90_BWD_UNSERVED_ABOVE_64
 
 
 def sm90_stages(cfg: KernelConfig) -> int:
@@ -391,7 +421,7 @@ GATED_FORWARD_VARIANTS = (SEQUSED | PAGED, KVCACHE_VARIANTS & ~PAGED, KVCACHE_VA
 
 def all_configs() -> list[KernelConfig]:
     """The configs the compile gate checks and `cuflash compile` builds (GATED_VARIANTS, with the backward's
-    small-grid tiles, and GATED_FORWARD_VARIANTS for the forward; the Hopper forward's for GATED_VARIANTS,
+    small-grid tiles, and GATED_FORWARD_VARIANTS for the forward; the Hopper kernels' for GATED_VARIANTS,
     ALL_VARIANTS less what it does not serve)."""
     out: list[KernelConfig] = []
     for dt in DTYPES:
@@ -401,6 +431,9 @@ def all_configs() -> list[KernelConfig]:
                         choose_backward(dt, d, variant, key_slabs=1, seqlen_k=1, sms=1 << 20)[1]]  # small grids
                 out.extend(c for c in cfgs if c not in out)
             out.extend(c for c in (choose_forward(dt, d, v) for v in GATED_FORWARD_VARIANTS) if c not in out)
-            hopper = (choose_forward(dt, d, v, compute_capability=90) for v in (0, LOCAL, ALL_VARIANTS & ~SM90_UNSERVED))
+            hopper = [choose_forward(dt, d, v, compute_capability=90) for v in (0, LOCAL, ALL_VARIANTS & ~SM90_UNSERVED)]
+            bwd_all = ALL_VARIANTS & ~SM90_BWD_UNSERVED
+            hopper += [choose_backward(dt, d, v, compute_capability=90)[1]
+                       for v in (0, LOCAL, bwd_all, bwd_all & ~SM90_BWD_UNSERVED_ABOVE_64)]
             out.extend(c for c in hopper if c not in out)
     return out

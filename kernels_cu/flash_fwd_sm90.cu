@@ -61,7 +61,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_sm90(const __grid_c
     const FwdParams& p = params.fwd;
     // Registers per thread after setmaxnreg: the producer keeps few, the consumers share the rest (64K per SM)
     constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32, kConsumerRegs = kConsumers == 2 ? 240 : 160;
-    static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "register file");
+    static_assert(kProducerRegs + kConsumers * kConsumerRegs <= (1 + kConsumers) * launch_regs(kNWarps * 32),
+                  "setmaxnreg moves registers between warpgroups: no more than the launch gave them");
     constexpr int kTurn = 1 + kConsumers;  // named barriers: 1 .. kConsumers for the store, then the turns
 
     unsigned dyn_smem;

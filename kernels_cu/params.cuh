@@ -94,4 +94,10 @@ struct FwdSm90Params {
     TensorMap tma_q, tma_k, tma_v;  // [batch, head, row, dim] boxes of 64 columns x the tile's rows
 };
 
+// The Hopper backward (flash_bwd_sm90.cu): BwdParams and the maps of q, k, v and dout.
+struct BwdSm90Params {
+    BwdParams bwd;
+    TensorMap tma_q, tma_k, tma_v, tma_do;
+};
+
 }  // namespace cuflash

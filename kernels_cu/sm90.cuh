@@ -74,8 +74,15 @@ __device__ __forceinline__ void fence_operands(float (&acc)[kN][4]) {
         for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(acc[i][e])::"memory");
 }
 
+// Shared memory written by ordinary stores (the generic proxy) that a wgmma or TMA (the async proxy) reads
+// next: each writing thread fences, then the threads synchronize.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
 // Registers per thread of the warpgroup from here on (a multiple of 8 in [24, 256]); the kernel must have a
-// register cap at entry (__launch_bounds__(threads, 1)).
+// register cap at entry (__launch_bounds__(threads, 1)). The .inc waits until the block's pool holds the
+// registers it asks for, which only the .dec of other warpgroups returns: what all warpgroups ask for in
+// the end must fit in what the launch gave them (launch_regs per thread), or the .inc waits forever.
+__host__ __device__ constexpr int launch_regs(int threads) { return 65536 / threads / 8 * 8; }
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_dec() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));

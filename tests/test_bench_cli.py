@@ -588,7 +588,7 @@ def test_every_gpu_suite_with_fakes(monkeypatch):
         "\n".join(x.get("traceback") or "" for x in doc["suites"].values())
     rows = [r for x in doc["suites"].values() for r in x["rows"]]
     fam = {(r["implementation"], r["dtype"], r["mode"]): r["family"] for r in doc["suites"]["seqlen"]["rows"]}
-    assert fam[("cuflash", "bfloat16", "fwd")] == "sm90" and fam[("cuflash", "bfloat16", "fwd_bwd")] == "sm90+mma"
+    assert fam[("cuflash", "bfloat16", "fwd")] == "sm90" and fam[("cuflash", "bfloat16", "fwd_bwd")] == "sm90"
     variants = {r["variant"]: r["family"] for r in doc["suites"]["variants"]["rows"]
                 if r["implementation"] == "cuflash" and r["mode"] == "fwd"}
     assert variants["plain"] == "sm90" and variants["varlen"] == "mma"
@@ -612,11 +612,11 @@ def test_every_gpu_suite_with_fakes(monkeypatch):
     report.render(console, doc["suites"])
     text = console.export_text()
     assert "launch (gpu, ok" in text and "host us per cached call" in text and "device ms per call" in text
-    assert "cuflash-torch / torch-cudnn" in text and "torch-cudnn (cudnn)" in text and "cuflash-cupy (sm90, mma)" in text
+    assert "cuflash-torch / torch-cudnn" in text and "torch-cudnn (cudnn)" in text and "cuflash-cupy (sm90)" in text
     assert "no sync between calls" in text
     assert "energy: idle power 100 W subtracted" in text
     md = report.markdown(doc["suites"])
-    assert "| B x H x N x d | mode | cuflash-cupy (sm90, mma) | cuflash-torch (sm90, mma) | torch-flash |" in md
+    assert "| B x H x N x d | mode | cuflash-cupy (sm90) | cuflash-torch (sm90) | torch-flash |" in md
 
 
 def test_refusals_as_unavailable():

@@ -39,6 +39,14 @@ def test_compiles_without_spills(reports, arch, source):
     assert not bad, f"sm_{arch}:\n" + "\n".join(bad)
 
 
+@pytest.mark.parametrize(("arch", "source"), [t for t in TARGETS if t[0] == "90a"])
+def test_wgmma_stays_asynchronous(reports, arch, source):
+    """ptxas serializes a kernel's wgmmas (warning C7512) when it lacks the registers to keep them in flight:
+    correct, and far slower. No config may do that."""
+    bad = [r.name for _, r in reports(arch, source) if r.serialized]
+    assert not bad, f"sm_{arch}: wgmma serialized in\n" + "\n".join(bad)
+
+
 @pytest.mark.parametrize(("arch", "source"), TARGETS)
 def test_shared_memory_within_limit(reports, arch, source):
     limit = config.SMEM_LIMIT[int(arch[:2])]

@@ -1,7 +1,8 @@
-"""The Hopper forward (kernels_cu/flash_fwd_sm90.cu) beside the mma.sync forward, on a compute capability 9.0
-GPU (skipped elsewhere). The rest of the GPU suite runs it too, as every 16-bit dense forward's default
-there; these tests check what is its own: which family runs, that both families meet the accuracy rule on
-the same inputs, that a cached plan re-addresses its tensor maps, and the fallbacks."""
+"""The Hopper kernels (kernels_cu/flash_fwd_sm90.cu, flash_bwd_sm90.cu) beside the mma.sync ones, on a compute
+capability 9.0 GPU (skipped elsewhere). The rest of the GPU suite runs them too, as the default of every
+16-bit dense call they serve there; these tests check what is their own: which family runs, that both
+families meet the accuracy rule on the same inputs, that a cached plan re-addresses its tensor maps, and
+the fallbacks."""
 
 from __future__ import annotations
 
@@ -96,3 +97,62 @@ def test_forcing_sm90_where_it_cannot_serve_raises(hopper):
     cu = cp.asarray([0, 30, 64], dtype=cp.int32)
     with cuflash.kernel_family("sm90"), pytest.raises(ValueError, match="sm90 kernel family cannot serve"):
         cuflash.flash_attn_varlen(q, k, v, cu, cu, 34, 34)
+
+
+def _training_step(gpu, dtype, causal, key, b, sq, sk, h, hk, d):
+    q, k, v = _qkv(gpu, key, dtype, b, sq, sk, h, hk, d)
+    do = gpu.randn(gpu.rng(key + "-do"), q.shape, dtype)
+    o, lse = cuflash.flash_attn_forward(q, k, v, causal=causal)
+    dq, dk, dv = cuflash.flash_attn_backward(do, q, k, v, o, lse, causal=causal)
+    return (q, k, v, do), (o, lse, dq, dk, dv)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [40, 64, 96, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_families_meet_the_rule_on_the_same_inputs(hopper, dtype, d, causal):
+    """Tails (517 queries, 391 keys: query blocks of 64 and key blocks of 128 cut short), GQA (4 heads on 2),
+    head dims padded to the compiled 64 / 128; causal with rows that see no key."""
+    for family in ("sm90", "mma"):
+        with cuflash.kernel_family(family):
+            (q, k, v, do), out = _training_step(hopper, dtype, causal, f"sm90-bwd-{dtype}-{d}-{causal}", 2, 517, 391,
+                                                4, 2, d)
+        hopper.check(f"{family} {dtype} d={d} causal={causal}", dtype, causal, None, q, k, v, do, *out)
+
+
+def test_hopper_backward_is_the_default_where_it_serves(hopper):
+    from cuflash import _params
+    from cuflash.backends import cuda
+
+    cp = hopper.cp
+
+    def launches(d, **kw):
+        q, k, v = _qkv(hopper, f"sm90-bwd-default-{d}", "bfloat16", 1, 256, 256, 2, 2, d)
+        o, lse = hopper.nan_like(q), cp.empty((1, 2, 256), cp.float32)
+        grads = [hopper.nan_like(x) for x in (q, k, v)]
+        ws = cp.empty(_params.workspace_layout(q, None, kw.get("deterministic", False)).nbytes, cp.uint8)
+        return cuda.backward_launches(q, q, k, v, o, lse, *grads, ws, causal=True, softmax_scale=d ** -0.5, **kw)
+
+    assert isinstance(launches(128), cuda.TmaLaunches)
+    for d, kw in ((256, {}), (128, {"deterministic": True}), (128, {"softcap": 30.0})):
+        assert not isinstance(launches(d, **kw), cuda.TmaLaunches), (d, kw)
+    with cuflash.kernel_family("mma"):
+        assert not isinstance(launches(64), cuda.TmaLaunches)
+    with cuflash.kernel_family("sm90"), pytest.raises(ValueError, match="sm90 kernel family cannot serve"):
+        launches(128, deterministic=True)
+
+
+def test_cached_backward_plan_readdresses_its_tensor_maps(hopper):
+    """As for the forward: a backward plan made on one set of arrays runs another (q, k, v and dout maps)."""
+    (q1, k1, v1, do1), (o1, lse1, *_) = _training_step(hopper, "bfloat16", True, "sm90-bwd-plan-a", 2, 300, 300, 4,
+                                                        2, 128)
+    (q, k, v, do), (o, lse, *_) = _training_step(hopper, "bfloat16", True, "sm90-bwd-plan-b", 2, 300, 300, 4, 2, 128)
+    _plan.BACKWARD.clear()
+    cuflash.flash_attn_backward(do1, q1, k1, v1, o1, lse1, causal=True)
+    assert len(_plan.BACKWARD) == 1
+    cached = cuflash.flash_attn_backward(do, q, k, v, o, lse, causal=True)
+    _plan.BACKWARD.clear()
+    fresh = cuflash.flash_attn_backward(do, q, k, v, o, lse, causal=True)
+    hopper.check("cached plan", "bfloat16", True, None, q, k, v, do, o, lse, *cached)
+    # dQ's adds are atomic (their order varies); dK and dV are summed in registers: bitwise repeatable
+    assert hopper.same_bits(cached[1], fresh[1]) == 0 and hopper.same_bits(cached[2], fresh[2]) == 0

@@ -44,7 +44,7 @@ def test_layouts_match_header():
     pytest.importorskip("cuda.bindings")
     want = []
     for struct, dtype in (("FwdParams", _params.FWD_PARAMS), ("BwdParams", _params.BWD_PARAMS),
-                          ("FwdSm90Params", _params.FWD_SM90_PARAMS)):
+                          ("FwdSm90Params", _params.FWD_SM90_PARAMS), ("BwdSm90Params", _params.BWD_SM90_PARAMS)):
         want.append((f"sizeof({struct})", f"sizeof(cuflash::{struct})", dtype.itemsize))
         want += [(f"{struct}.{path}", f"(unsigned long long)&(((cuflash::{struct}*)0)->{path})", off)
                  for path, off in _fields(struct, dtype)]
@@ -65,7 +65,7 @@ def test_field_count_matches_header():
     """Every field declared in the header is in the dtype (names and order)."""
     text = (_compile.kernels_dir() / "params.cuh").read_text()
     for struct, dtype in (("FwdParams", _params.FWD_PARAMS), ("BwdParams", _params.BWD_PARAMS),
-                          ("FwdSm90Params", _params.FWD_SM90_PARAMS)):
+                          ("FwdSm90Params", _params.FWD_SM90_PARAMS), ("BwdSm90Params", _params.BWD_SM90_PARAMS)):
         body = re.search(rf"struct {struct} \{{(.*?)\n\}};", text, re.S).group(1)
         body = re.sub(r"//[^\n]*", "", body)
         names = []
@@ -152,7 +152,7 @@ def test_varlen_params_are_packed():
 
 
 def test_tensor_map_geometry():
-    """The q, k, v tensor maps of flash_fwd_sm90 (cuflash/_tma.py): innermost first, byte strides, boxes of 64
+    """The tensor maps of the Hopper kernels (cuflash/_tma.py): innermost first, byte strides, boxes of 64
     columns; a dimension of extent 1 gets a valid stride, an empty one is described as one row."""
     from cuflash import _tma
 
@@ -164,3 +164,10 @@ def test_tensor_map_geometry():
     dims, strides, box = _tma.geometry(p, "k", 176)
     assert dims == (96, 1, 1, 2) and strides == (16, 16, 1000 * 96 * 2) and box == (64, 176, 1, 1)
     assert _params.FWD_SM90_PARAMS.fields["tma_q"][1] % 64 == 0
+    # the backward's dout map: its pointer and strides from BwdParams, the rest from BwdParams.fwd
+    pb = np.zeros((), dtype=_params.BWD_PARAMS)
+    pb["fwd"] = p
+    pb["do_row_stride"], pb["do_head_stride"], pb["do_batch_stride"] = 96, 300 * 96, 8 * 300 * 96
+    assert _tma.geometry(pb, "do", 64) == ((96, 300, 8, 2), (96 * 2, 300 * 96 * 2, 8 * 300 * 96 * 2), (64, 64, 1, 1))
+    assert _tma.geometry(pb, "q", 64)[:2] == _tma.geometry(p, "q", 64)[:2]
+    assert _params.BWD_SM90_PARAMS.fields["tma_q"][1] % 64 == 0

@@ -64,6 +64,19 @@ SM90_FWD_STEPS = [
     FWD_STEPS[6],
     (8, "Store O and LSE: O through this warpgroup's own rows of sQ (its last S = Q K^T has completed)"),
 ]
+# kernels_cu/flash_bwd_sm90.cu (Hopper; between flash_bwd.cu's preprocess [1] and postprocess [11]) and
+# cuflash/proto/flash_bwd_sm90.py: flash_bwd.cu's steps [2] and [10] word for word.
+SM90_BWD_STEPS = [
+    BWD_STEPS[1],
+    (3, "Producer: K and V, then the Q, dO tiles (TMA) and LSE, D rows of each query block into a free stage"),
+    (4, "S^T = K Q^T and dP^T = V dO^T (wgmma from shared memory)"),
+    (5, "Score modifiers, mask, P^T = exp2(S^T * scale_log2 - LSE * log2(e)), dropout"),
+    (6, "dV += P^T dO (wgmma, P^T from registers)"),
+    (7, "dS^T = P^T (dP^T - D)"),
+    (8, "dK += dS^T Q (wgmma, dS^T from registers)"),
+    (9, "dS into shared memory; dQ_accum += dS K (wgmma), fp32 atomic adds"),
+    BWD_STEPS[9],
+]
 # kernels_cu/mask.cuh and cuflash/proto/mask.py: one step per rule of Mask and ScoreMod, in functions of
 # the same names (the mma.sync layout walks of mma.cuh have no prototype and no step).
 MASK_STEPS = [
@@ -131,6 +144,7 @@ def assert_same(a: Path, b: Path, *, drop=()):
     (KERNELS / "flash_fwd_sm90.cu", SM90_FWD_STEPS),
     (PROTO / "flash_fwd_sm90.py", SM90_FWD_STEPS),
     (KERNELS / "flash_bwd.cu", BWD_STEPS),
+    (KERNELS / "flash_bwd_sm90.cu", SM90_BWD_STEPS),
     (KERNELS / "flash_bwd_simt.cu", SIMT_BWD_STEPS),
     (PROTO / "flash_bwd.py", BWD_STEPS),
     (KERNELS / "mask.cuh", MASK_STEPS),
@@ -177,6 +191,12 @@ def test_sm90_forward_shares_the_tensor_core_steps():
     """flash_fwd_sm90.cu takes flash_fwd.cu's steps [1], [4] and [7] word for word."""
     shared = [s for s in steps(KERNELS / "flash_fwd.cu") if s[0] in (1, 4, 7)]
     assert len(shared) == 3 and shared == [s for s in steps(KERNELS / "flash_fwd_sm90.cu") if s[0] in (1, 4, 7)]
+
+
+def test_sm90_backward_shares_the_tensor_core_steps():
+    """flash_bwd_sm90.cu takes flash_bwd.cu's steps [2] and [10] word for word."""
+    shared = [s for s in steps(KERNELS / "flash_bwd.cu") if s[0] in (2, 10)]
+    assert len(shared) == 2 and shared == [s for s in steps(KERNELS / "flash_bwd_sm90.cu") if s[0] in (2, 10)]
 
 
 def test_numpy_backend_steps_are_a_subsequence():

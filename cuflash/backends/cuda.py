@@ -95,8 +95,9 @@ class Launches:
 
 
 class TmaLaunches(Launches):
-    """Launches of flash_fwd_sm90, whose params also hold tensor maps of q, k and v (cuflash/_tma.py):
-    patching those pointers points the maps at the new arrays too."""
+    """Launches of a Hopper kernel (flash_fwd_sm90, or flash_bwd_sm90 and its pre- and postprocess), whose
+    params also hold tensor maps (cuflash/_tma.py): patching the pointers points the maps at the new arrays
+    too."""
 
     def __init__(self, params: _tma.SM90Params, kernels: list[tuple]):
         super().__init__(params.raw, kernels)
@@ -105,8 +106,7 @@ class TmaLaunches(Launches):
 
     def patch(self, offset: int, *pointers: int) -> None:
         super().patch(offset, *pointers)
-        if offset == _params.FWD_POINTERS:
-            self.params.set_addresses(*pointers[:3])
+        self.params.follow()
 
 
 def forward_launches(q, k, v, o, lse, *, causal: bool, softmax_scale: float, varlen=None, **variants) -> Launches:
@@ -120,7 +120,8 @@ def forward_launches(q, k, v, o, lse, *, causal: bool, softmax_scale: float, var
     check_batch(b)
     if cfg.family == "sm90":
         try:
-            return TmaLaunches(_tma.SM90Params(p, cfg.dtype, cfg.block_m, cfg.block_n),
+            boxes = {"q": cfg.block_m, "k": cfg.block_n, "v": cfg.block_n}
+            return TmaLaunches(_tma.SM90Params(_params.FWD_SM90_PARAMS, p, cfg.dtype, boxes),
                                [(cfg, (ceil_div(sq, cfg.block_m), h, b))])
         except _tma.Unencodable:  # strides TMA cannot take (e.g. 0 for a broadcast head): the mma.sync kernel
             if forced_family() == "sm90":
@@ -138,16 +139,28 @@ def backward_launches(do, q, k, v, o, lse, dq, dk, dv, workspace, *, causal: boo
                            **variants)
     b, sq, sk = int(p["fwd"]["batch"]), int(p["fwd"]["seqlen_q"]), int(p["fwd"]["seqlen_k"])
     check_batch(b)
-    cfgs = choose_backward(q.dtype, d, _params.variant(causal, varlen, deterministic=deterministic, **variants),
-                           key_slabs=b * hk, seqlen_k=sk, sms=_multiprocessors())
+    variant = _params.variant(causal, varlen, deterministic=deterministic, **variants)
+    choose = functools.partial(choose_backward, q.dtype, d, variant, key_slabs=b * hk, seqlen_k=sk,
+                               sms=_multiprocessors())
+    cfgs = choose(compute_capability=compute_capability(), family=forced_family())
 
     def grid(cfg):
-        if cfg.kernel == "flash_bwd":  # key blocks slowest (flash_bwd.cu; reversed when deterministic)
+        if cfg.kernel in ("flash_bwd", "flash_bwd_sm90"):  # key blocks slowest (flash_bwd.cu; reversed when deterministic)
             return hk, b, ceil_div(sk, cfg.block_n)
         if cfg.kernel == "flash_bwd_dkdv_simt":
             return ceil_div(sk, cfg.block_n), hk, b
         return ceil_div(sq, cfg.block_m), h, b
 
+    main = cfgs[1]
+    if main.family == "sm90":
+        try:
+            boxes = {"q": main.block_m, "k": main.block_n, "v": main.block_n, "do": main.block_m}
+            return TmaLaunches(_tma.SM90Params(_params.BWD_SM90_PARAMS, p, main.dtype, boxes),
+                               [(cfg, grid(cfg)) for cfg in cfgs])
+        except _tma.Unencodable:  # as in forward_launches
+            if forced_family() == "sm90":
+                raise
+            cfgs = choose(family="mma")
     return Launches(p, [(cfg, grid(cfg)) for cfg in cfgs])
 
 

@@ -241,6 +241,7 @@ def kernel_configs(s: Settings, names: list[str], compute_capability: int = 0) -
     from .. import config
 
     forward = functools.partial(config.choose_forward, compute_capability=compute_capability, family=s.family)
+    backward = functools.partial(config.choose_backward, compute_capability=compute_capability, family=s.family)
     out = []
     for name in names:
         if "cuflash" not in s.backends and name not in ("accuracy", "launch"):
@@ -254,7 +255,7 @@ def kernel_configs(s: Settings, names: list[str], compute_capability: int = 0) -
                          else [config.variant_bits(local=c.causal)]):
                 out.append(forward(c.dtype, c.head_dim, bits))
                 if set(p["modes"]) - {"fwd"}:
-                    out.extend(config.choose_backward(c.dtype, c.head_dim, bits))
+                    out.extend(backward(c.dtype, c.head_dim, bits))
     return list(dict.fromkeys(out))
 
 
@@ -293,7 +294,8 @@ def kernel_family(case: Case, mode: str, bits: int | None = None) -> str:
     bits = config.variant_bits(local=case.causal) if bits is None else bits
     fwd = config.choose_forward(case.dtype, case.head_dim, bits, compute_capability=compute_capability(),
                                 family=config.forced_family()).family
-    bwd = config.choose_backward(case.dtype, case.head_dim, bits)[1].family
+    bwd = config.choose_backward(case.dtype, case.head_dim, bits, compute_capability=compute_capability(),
+                                 family=config.forced_family())[1].family
     families = {"fwd": [fwd], "bwd": [bwd]}.get(mode, [fwd, bwd])
     return "+".join(dict.fromkeys(families))
 

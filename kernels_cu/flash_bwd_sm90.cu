@@ -1,0 +1,384 @@
+// FlashAttention backward for Hopper (sm_90a): TMA, mbarriers, wgmma and warp specialization. The main
+// launch of the backward on sm_90, between flash_bwd.cu's preprocess (D = rowsum(dO * O), the zeroed fp32
+// dQ accumulator) and postprocess (dQ = dQ_accum * softmax_scale); the same algorithm as flash_bwd:
+// one pass over key blocks, five tile GEMMs per (query block, key block).
+//
+// One thread block per (kv head, batch, n_block) owns kBlockN keys and loops over the (query head of the
+// group, query block) pairs that see them, with kNWarps / 4 warpgroups of two roles:
+//   producer (warpgroup 0): K and V once, then per pair the Q and dO tiles by TMA into a ring of kStages
+//     stages (thread 0), and the pair's LSE (as exp2's offset) and D rows into the stage (warp 1).
+//   consumers (warpgroups 1 ..): each owns 64 of the keys. Per pair, with keys as the wgmma's M dimension:
+//     S^T = K Q^T and dP^T = V dO^T by wgmma from shared memory, P^T = exp2(S^T * scale_log2 - LSE * log2(e)),
+//     dV += P^T dO (P^T from registers), dS^T = P^T (dP^T - D), dK += dS^T Q (dS^T from registers);
+//     dS^T goes to shared memory as dS (queries x keys), and each consumer computes its share of
+//     dQ = dS K (64 rows x 64 columns, all kBlockN keys) and adds it into the fp32 dQ accumulator.
+// Accumulators are in the mma.sync C layout per warp (wgmma.cuh), so masks, score modifiers and dropout are
+// flash_bwd's (for_each_score_t, for_each_keep_t).
+//
+// Shared memory (sm90.cuh: 128-byte swizzle, [head_dim / 64 slabs][rows][64], 1024-byte aligned), Sm90BwdSmem:
+//   sK, sV [kBlockN rows]; kStages x sQ, kStages x sdO [kBlockM rows]; two sdS [kBlockN / 64 slabs][kBlockM]
+//   [64 keys] (one written while the other may still be read); kStages x LSE offsets and D [kBlockM floats];
+//   mbarriers kv_full, q_full[kStages], do_full[kStages], q_empty[kStages], do_empty[kStages].
+//
+// Serves dense batches, not DETERMINISTIC (config.choose_backward sends those to flash_bwd).
+#include "params.cuh"
+#include "common.cuh"
+#include "seqinfo.cuh"
+#include "mask.cuh"
+#include "dropout.cuh"
+#include "mma.cuh"
+#include "sm90.cuh"
+#include "wgmma.cuh"
+#include "backward.cuh"
+
+namespace cuflash {
+
+template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
+struct Sm90BwdSmem {  // byte offsets from the 1024-aligned base
+    static constexpr unsigned kKV = kBlockN * kHeadDim * 2;  // sK or sV
+    static constexpr unsigned kQ = kBlockM * kHeadDim * 2;   // one stage of sQ or sdO
+    static constexpr unsigned kDS = kBlockM * kBlockN * 2;   // one sdS
+    static constexpr unsigned kK = 0, kV = kKV, kQs = 2 * kKV, kdOs = kQs + kStages * kQ, kdSs = kdOs + kStages * kQ;
+    static constexpr unsigned kLse = kdSs + 2 * kDS, kD = kLse + kStages * kBlockM * 4;
+    static constexpr unsigned kBarriers = kD + kStages * kBlockM * 4;
+    static constexpr unsigned kBytes = 1024 + kBarriers + 8 * (1 + 4 * kStages);
+};
+
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kVariant>
+__global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_constant__ BwdSm90Params params) {
+    static_assert(sizeof(T) == 2, "tensor-core kernel: __half or __nv_bfloat16");
+    static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0, "whole 128-byte swizzle slabs of 64 columns");
+    constexpr int kConsumers = kNWarps / 4 - 1;
+    static_assert(kBlockN == 64 * kConsumers, "one consumer warpgroup per 64 keys");
+    // dQ = dS K in 64 x 64 tiles: one per consumer over all kBlockN keys, or (d = 64) the one tile, each
+    // consumer adding its own keys' share
+    constexpr int kDqTiles = (kBlockM / 64) * (kHeadDim / 64);
+    static_assert(kDqTiles == kConsumers || kDqTiles == 1, "dQ: a 64 x 64 tile per consumer, or one in all");
+    constexpr bool kDqOwnKeys = kDqTiles == 1;
+    static_assert((kVariant & (kVarlen | kSeqused | kPaged | kDeterministic)) == 0, "dense, atomic dQ adds");
+    constexpr int kStages = 2;
+    using Smem = Sm90BwdSmem<kHeadDim, kBlockM, kBlockN, kStages>;
+    constexpr int kNTilesQ = kBlockM / 8;   // 8-query column groups of S^T
+    constexpr int kNTilesD = kHeadDim / 8;  // 8-dim column groups of dK, dV
+    constexpr unsigned kSlabKV = kBlockN * 128, kSlabQ = kBlockM * 128;  // bytes of one 64-column slab
+    constexpr bool kIsDropout = (kVariant & kDropout) != 0;
+    constexpr bool kIsSoftcap = (kVariant & kSoftcap) != 0;
+    using Mod = ScoreMod<float, kVariant, true>;
+    const BwdParams& p = params.bwd;
+    constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+    static_assert(kProducerRegs + kConsumers * kConsumerRegs <= (1 + kConsumers) * launch_regs(kNWarps * 32),
+                  "setmaxnreg moves registers between warpgroups: no more than the launch gave them");
+    constexpr int kDsReady = 1, kStore = 2;  // named barriers: both consumers; then one per consumer
+
+    unsigned dyn_smem;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+    if (dyn_smem < Smem::kBytes) __trap();
+    extern __shared__ __align__(16) char smem[];
+    const unsigned base = (smem_u32(smem) + 1023u) & ~1023u;
+    char* const base_ptr = smem + (base - smem_u32(smem));
+    const unsigned sK = base + Smem::kK, sV = base + Smem::kV, sdS = base + Smem::kdSs;
+    auto sQ = [&](int s) { return base + Smem::kQs + s * Smem::kQ; };
+    auto sdO = [&](int s) { return base + Smem::kdOs + s * Smem::kQ; };
+    float* const sLse = reinterpret_cast<float*>(base_ptr + Smem::kLse);  // [kStages][kBlockM]
+    float* const sD = reinterpret_cast<float*>(base_ptr + Smem::kD);
+    const unsigned bars = base + Smem::kBarriers;
+    const unsigned kv_full = bars;
+    auto q_full = [&](int s) { return bars + 8u * (1 + s); };
+    auto do_full = [&](int s) { return bars + 8u * (1 + kStages + s); };
+    auto q_empty = [&](int s) { return bars + 8u * (1 + 2 * kStages + s); };
+    auto do_empty = [&](int s) { return bars + 8u * (1 + 3 * kStages + s); };
+
+    // [2] Block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
+    const int head_k = blockIdx.x, batch = blockIdx.y, n_block = blockIdx.z;
+    const SeqInfo<false, false> seq(p.fwd, batch);
+    const int key_begin = n_block * kBlockN;
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+    const int group = p.fwd.nheads / p.fwd.nheads_k;
+    const Mask<kVariant> mask(p.fwd, seqlen_q, seqlen_k);
+    int m_block_first, m_block_end;
+    mask.template m_block_range<kBlockM, kBlockN>(n_block, m_block_first, m_block_end);
+    // The (query head, query block) pairs, in order: it = hq * n_m + (m_block - first)
+    const int n_m = max(m_block_end - m_block_first, 0), n_it = group * n_m;
+    const int warpgroup = threadIdx.x / 128;
+
+    if (threadIdx.x == 0) {
+        mbarrier_init(kv_full, 1);
+#pragma unroll
+        for (int s = 0; s < kStages; ++s) {
+            mbarrier_init(q_full(s), 1 + 32);  // the TMA thread, and warp 1's lanes with LSE and D
+            mbarrier_init(do_full(s), 1);
+            mbarrier_init(q_empty(s), 4 * kConsumers);  // lane 0 of every consumer warp
+            mbarrier_init(do_empty(s), 4 * kConsumers);
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) {
+        // [3] Producer: K and V, then the Q, dO tiles (TMA) and LSE, D rows of each query block into a free stage
+        setmaxnreg_dec<kProducerRegs>();
+        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+        if (threadIdx.x == 0) {
+            mbarrier_arrive_expect_tx(kv_full, 2 * Smem::kKV);
+#pragma unroll
+            for (int slab = 0; slab < kHeadDim / 64; ++slab) {
+                tma_load_4d(sK + slab * kSlabKV, &params.tma_k, kv_full, 64 * slab, key_begin, head_k, batch);
+                tma_load_4d(sV + slab * kSlabKV, &params.tma_v, kv_full, 64 * slab, key_begin, head_k, batch);
+            }
+            int it = 0;
+#pragma unroll 1
+            for (int head = head_k * group; head < (head_k + 1) * group; ++head)
+#pragma unroll 1
+            for (int m_block = m_block_first; m_block < m_block_end; ++m_block, ++it) {
+                const int s = it % kStages, use = it / kStages, row_begin = m_block * kBlockM;
+                // each tile waits until the consumers are done with the stage's last use of it
+                if (use > 0) mbarrier_wait(q_empty(s), (use - 1) & 1);
+                mbarrier_arrive_expect_tx(q_full(s), Smem::kQ);
+#pragma unroll
+                for (int slab = 0; slab < kHeadDim / 64; ++slab)
+                    tma_load_4d(sQ(s) + slab * kSlabQ, &params.tma_q, q_full(s), 64 * slab, row_begin, head, batch);
+                if (use > 0) mbarrier_wait(do_empty(s), (use - 1) & 1);
+                mbarrier_arrive_expect_tx(do_full(s), Smem::kQ);
+#pragma unroll
+                for (int slab = 0; slab < kHeadDim / 64; ++slab)
+                    tma_load_4d(sdO(s) + slab * kSlabQ, &params.tma_do, do_full(s), 64 * slab, row_begin, head, batch);
+            }
+        } else if (warp == 1) {
+            // LSE as exp2's offset (lse_to_log2_offset: +inf for a row that saw no key, so its P is 0) and D;
+            // rows past seqlen_q take offset 0 and D 0 (their Q and dO are zeros: they add nothing)
+            int it = 0;
+#pragma unroll 1
+            for (int head = head_k * group; head < (head_k + 1) * group; ++head)
+#pragma unroll 1
+            for (int m_block = m_block_first; m_block < m_block_end; ++m_block, ++it) {
+                const int s = it % kStages, use = it / kStages, row_begin = m_block * kBlockM;
+                const float* lse = static_cast<const float*>(p.fwd.lse) +
+                                   seq.row_offset(batch, head, p.fwd.lse_batch_stride, p.fwd.lse_head_stride);
+                const float* dsum = static_cast<const float*>(p.dsum) +
+                                    seq.row_offset(batch, head, p.dsum_batch_stride, p.dsum_head_stride);
+                if (use > 0) mbarrier_wait(q_empty(s), (use - 1) & 1);
+                for (int r = lane; r < kBlockM; r += 32) {
+                    const int row = row_begin + r;
+                    const bool valid = row < seqlen_q;
+                    sLse[s * kBlockM + r] = valid ? lse_to_log2_offset(lse[row]) : 0.f;
+                    sD[s * kBlockM + r] = valid ? dsum[row] : 0.f;
+                }
+                mbarrier_arrive(q_full(s));
+            }
+        }
+        return;
+    }
+
+    // Consumers
+    setmaxnreg_inc<kConsumerRegs>();
+    const int consumer = warpgroup - 1;
+    const int tid = threadIdx.x - 128 * warpgroup, warp = tid / 32, lane = tid % 32;
+    const int g = lane >> 2, t = lane & 3;
+    const int wg_key0 = 64 * consumer, key_row0 = wg_key0 + 16 * warp;  // first keys inside the block
+    // This consumer's dQ tile: 64 query rows from dq_row0 x 64 dims from dq_col0, summed over keys from
+    // dq_key0 (kDqKeys of them)
+    const int dq_tile = kDqOwnKeys ? 0 : consumer;
+    const int dq_row0 = 64 * (dq_tile % (kBlockM / 64)), dq_col0 = 64 * (dq_tile / (kBlockM / 64));
+    constexpr int kDqKeys = kDqOwnKeys ? 64 : kBlockN;
+    const int dq_key0 = kDqOwnKeys ? wg_key0 : 0;
+
+    float acc_dk[kNTilesD][4], acc_dv[kNTilesD][4];
+#pragma unroll
+    for (int nd = 0; nd < kNTilesD; ++nd)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dk[nd][e] = acc_dv[nd][e] = 0.f;
+    mbarrier_wait(kv_full, 0);
+
+    for (int it = 0; it < n_it; ++it) {
+        const int s = it % kStages;
+        const unsigned phase = (it / kStages) & 1;
+        const int head = head_k * group + it / n_m, m_block = m_block_first + it % n_m;
+        const int row_begin = m_block * kBlockM;
+        const Mod mod(p.fwd, batch, head, mask.shift);
+        const float scale_log2 = mod.score_log2(p.fwd);
+
+        // [4] S^T = K Q^T and dP^T = V dO^T (wgmma from shared memory)
+        // acc_s[ni][2h + e]: key key_row0 + g + 8h, query 8 ni + 2t + e (for_each_score_t's layout)
+        float acc_s[kNTilesQ][4], acc_dp[kNTilesQ][4];
+        mbarrier_wait(q_full(s), phase);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+            const unsigned slab = ks / 4, col_bytes = (ks % 4) * 32;
+            Wgmma<T, kBlockM>::ss(acc_s, smem_desc(sK + slab * kSlabKV + wg_key0 * 128 + col_bytes, 16, 1024),
+                                  smem_desc(sQ(s) + slab * kSlabQ + col_bytes, 16, 1024), ks > 0);
+        }
+        wgmma_commit();
+        mbarrier_wait(do_full(s), phase);
+#pragma unroll
+        for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+            const unsigned slab = ks / 4, col_bytes = (ks % 4) * 32;
+            Wgmma<T, kBlockM>::ss(acc_dp, smem_desc(sV + slab * kSlabKV + wg_key0 * 128 + col_bytes, 16, 1024),
+                                  smem_desc(sdO(s) + slab * kSlabQ + col_bytes, 16, 1024), ks > 0);
+        }
+        wgmma_commit();
+        const float* lse_off = sLse + s * kBlockM;
+        const float* d_rows = sD + s * kBlockM;
+        wgmma_wait<1>();  // S^T has completed; dP^T may still run
+        fence_operands(acc_s);
+
+        // [5] Score modifiers, mask, P^T = exp2(S^T * scale_log2 - LSE * log2(e)), dropout
+        float dcap[kIsSoftcap ? kNTilesQ : 1][4];  // d logit / d(scale * S): the softcap's 1 - tanh^2
+        if constexpr (kIsSoftcap) {
+            for_each_score_t<kNTilesQ>(key_begin + key_row0, row_begin, lane,
+                                       [&](float& x, float& dc, int row, int col) { x = mod.apply(x, row, col, dc); },
+                                       acc_s, dcap);
+        } else if constexpr (Mod::kTransform) {
+            for_each_score_t<kNTilesQ>(key_begin + key_row0, row_begin, lane, [&](float& x, int row, int col) {
+                float dc;
+                x = mod.apply(x, row, col, dc);
+            }, acc_s);
+        }
+        if (mask.template needs_mask<kBlockM, kBlockN>(m_block, n_block)) {
+            for_each_score_t<kNTilesQ>(key_begin + key_row0, row_begin, lane, [&](float& x, int row, int col) {
+                if (!mask.visible(row, col)) x = neg_inf<float>();
+            }, acc_s);
+        }
+#pragma unroll
+        for (int ni = 0; ni < kNTilesQ; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                acc_s[ni][e] = exp2f(acc_s[ni][e] * scale_log2 - lse_off[8 * ni + 2 * t + (e & 1)]);
+        if constexpr (kIsDropout) {
+            // a dropped entry is kept as -P: dV reads max(P, 0) (its 1 / (1 - p) applied at the store), dS
+            // below tells kept from dropped by the sign
+            Dropout(p.fwd, batch, head).for_each_keep_t(acc_s, key_begin + key_row0, row_begin, lane,
+                                                        [](float& x, bool kept) { if (!kept) x = -x; });
+        }
+
+        // [6] dV += P^T dO (wgmma, P^T from registers)
+        unsigned a_frag[kBlockM / 16][4];
+#pragma unroll
+        for (int kq = 0; kq < kBlockM / 16; ++kq) acc_to_a<T>(a_frag[kq], acc_s[2 * kq], acc_s[2 * kq + 1], kIsDropout);
+        wgmma_fence();
+#pragma unroll
+        for (int kq = 0; kq < kBlockM / 16; ++kq)
+            Wgmma<T, kHeadDim>::rs(acc_dv, a_frag[kq], smem_desc(sdO(s) + kq * 16 * 128, kSlabQ, 1024));
+        wgmma_commit();
+        wgmma_wait<1>();  // dP^T has completed; dV may still run
+        fence_operands(acc_dp);
+
+        // [7] dS^T = P^T (dP^T - D)
+        // D belongs to the query (column). Dropout: dL/dP is dP / (1 - p) where
+        // kept and 0 where dropped (there acc_s = -P, so dS = -P * D = acc_s * D). Softcap: times 1 - tanh^2.
+#pragma unroll
+        for (int ni = 0; ni < kNTilesQ; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float d = d_rows[8 * ni + 2 * t + (e & 1)];
+                float ds;
+                if constexpr (kIsDropout) {
+                    ds = acc_s[ni][e] >= 0.f ? acc_s[ni][e] * (acc_dp[ni][e] * static_cast<float>(p.fwd.dropout_scale) - d)
+                                             : acc_s[ni][e] * d;
+                } else {
+                    ds = acc_s[ni][e] * (acc_dp[ni][e] - d);
+                }
+                if constexpr (kIsSoftcap) ds *= dcap[ni][e];
+                acc_dp[ni][e] = ds;
+            }
+
+        // [8] dK += dS^T Q (wgmma, dS^T from registers)
+#pragma unroll
+        for (int kq = 0; kq < kBlockM / 16; ++kq) acc_to_a<T>(a_frag[kq], acc_dp[2 * kq], acc_dp[2 * kq + 1]);
+        wgmma_fence();
+#pragma unroll
+        for (int kq = 0; kq < kBlockM / 16; ++kq)
+            Wgmma<T, kHeadDim>::rs(acc_dk, a_frag[kq], smem_desc(sQ(s) + kq * 16 * 128, kSlabQ, 1024));
+        wgmma_commit();
+
+        // [9] dS into shared memory; dQ_accum += dS K (wgmma), fp32 atomic adds
+        // dS (queries x keys) into sdS, this consumer's 64 keys = slab `consumer` (transposed stores):
+        // a_frag[kq][j] holds keys g + 8 (j & 1), queries 16 kq + 8 (j >> 1) + 2t (+1 in the high half)
+        const unsigned ds_tile = sdS + (it & 1) * Smem::kDS;
+#pragma unroll
+        for (int kq = 0; kq < kBlockM / 16; ++kq)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int q = 16 * kq + 8 * (j >> 1) + 2 * t, chunk = 2 * warp + (j & 1);
+                const unsigned addr = ds_tile + consumer * kSlabQ + q * 128 + ((chunk ^ (q % 8)) * 16) + g * 2;
+                const unsigned addr1 = ds_tile + consumer * kSlabQ + (q + 1) * 128 + ((chunk ^ ((q + 1) % 8)) * 16) + g * 2;
+                asm volatile("st.shared.u16 [%0], %1;" ::"r"(addr), "h"(static_cast<unsigned short>(a_frag[kq][j])) : "memory");
+                asm volatile("st.shared.u16 [%0], %1;" ::"r"(addr1), "h"(static_cast<unsigned short>(a_frag[kq][j] >> 16)) : "memory");
+            }
+        fence_proxy_async();  // the stores, then the wgmma that reads them
+        if constexpr (kDqOwnKeys) {
+            named_barrier_sync(kStore + consumer, 128);  // this consumer's keys are in
+        } else {
+            named_barrier_sync(kDsReady, 128 * kConsumers);  // every consumer's keys are in
+        }
+
+        // this consumer's 64 x 64 tile of dS K (K N-major), then its adds
+        float acc_dq[8][4];
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kDqKeys / 16; ++ks) {
+            const int key = dq_key0 + 16 * ks;  // 64 keys per slab of sdS
+            Wgmma<T, 64>::ss_n(acc_dq, smem_desc(ds_tile + (key / 64) * kSlabQ + dq_row0 * 128 + (key % 64) * 2, 16, 1024),
+                               smem_desc(sK + (dq_col0 / 64) * kSlabKV + key * 128, kSlabKV, 1024), ks > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();  // dV, dK and dQ have completed: the stage's Q and dO go back to the producer
+        fence_operands(acc_dq);
+        fence_operands(acc_dk);
+        fence_operands(acc_dv);
+        if (lane == 0) {
+            mbarrier_arrive(q_empty(s));
+            mbarrier_arrive(do_empty(s));
+        }
+        // acc_dq[nd][2h + e]: query row dq_row0 + 16 warp + g + 8h, dim dq_col0 + 8 nd + 2t + e
+        float* dq_rows = dq_accum_rows(p, seq, batch, head);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row_begin + dq_row0 + 16 * warp + g + 8 * h;
+            if (row >= seqlen_q) continue;
+            float* dst = dq_rows + row * p.dq_accum_row_stride + dq_col0 + 2 * t;
+#pragma unroll
+            for (int nd = 0; nd < 8; ++nd)
+                if (dq_col0 + 8 * nd < p.fwd.head_dim) red_add2(dst + 8 * nd, acc_dq[nd][2 * h], acc_dq[nd][2 * h + 1]);
+        }
+    }
+
+    // [10] Store dK * softmax_scale and dV
+    // Through this consumer's rows of sK and sV, once every consumer's last dQ (which reads sK) has completed
+    named_barrier_sync(kDsReady, 128 * kConsumers);
+    const float dk_scale = static_cast<float>(p.fwd.softmax_scale);
+    const float dv_scale = kIsDropout ? static_cast<float>(p.fwd.dropout_scale) : 1.f;
+#pragma unroll
+    for (int nd = 0; nd < kNTilesD; ++nd) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = key_row0 + g + 8 * h;
+            const unsigned offset = (nd / 8) * kSlabKV + r * 128 + (((nd % 8) ^ (r % 8)) * 16) + t * 4;
+            const unsigned k2 = pack2<T>(acc_dk[nd][2 * h] * dk_scale, acc_dk[nd][2 * h + 1] * dk_scale);
+            const unsigned v2 = pack2<T>(acc_dv[nd][2 * h] * dv_scale, acc_dv[nd][2 * h + 1] * dv_scale);
+            asm volatile("st.shared.u32 [%0], %1;" ::"r"(sK + offset), "r"(k2) : "memory");
+            asm volatile("st.shared.u32 [%0], %1;" ::"r"(sV + offset), "r"(v2) : "memory");
+        }
+    }
+    named_barrier_sync(kStore + consumer, 128);
+    T* dk = static_cast<T*>(p.dk) + seq.k_offset(batch, p.dk_batch_stride, p.dk_row_stride) + head_k * p.dk_head_stride;
+    T* dv = static_cast<T*>(p.dv) + seq.k_offset(batch, p.dv_batch_stride, p.dv_row_stride) + head_k * p.dv_head_stride;
+    constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+#pragma unroll 4
+    for (int c = tid; c < 64 * kChunks; c += 128) {
+        const int r = wg_key0 + c / kChunks, chunk = c % kChunks;
+        const int key = key_begin + r;
+        if (key < seqlen_k && chunk * 8 < p.fwd.head_dim) {
+            const unsigned offset = (chunk / 8) * kSlabKV + r * 128 + (((chunk % 8) ^ (r % 8)) * 16);
+            uint4 k4, v4;
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(k4.x), "=r"(k4.y), "=r"(k4.z), "=r"(k4.w) : "r"(sK + offset));
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(v4.x), "=r"(v4.y), "=r"(v4.z), "=r"(v4.w) : "r"(sV + offset));
+            *reinterpret_cast<uint4*>(dk + key * p.dk_row_stride + chunk * 8) = k4;
+            *reinterpret_cast<uint4*>(dv + key * p.dv_row_stride + chunk * 8) = v4;
+        }
+    }
+}
+
+}  // namespace cuflash
