@@ -107,8 +107,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
         for (int s = 0; s < kStages; ++s) {
             mbarrier_init(q_full(s), 1 + 32);  // the TMA thread, and warp 1's lanes with LSE and D
             mbarrier_init(do_full(s), 1);
-            mbarrier_init(q_empty(s), 4 * kConsumers);  // lane 0 of every consumer warp
-            mbarrier_init(do_empty(s), 4 * kConsumers);
+            mbarrier_init(q_empty(s), 128 * kConsumers);  // every consumer thread: each has read LSE and D
+            mbarrier_init(do_empty(s), 4 * kConsumers);   // lane 0 of every consumer warp (dO: wgmma's reads)
         }
         fence_barrier_init();
     }
@@ -326,10 +326,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
         fence_operands(acc_dq);
         fence_operands(acc_dk);
         fence_operands(acc_dv);
-        if (lane == 0) {
-            mbarrier_arrive(q_empty(s));
-            mbarrier_arrive(do_empty(s));
-        }
+        mbarrier_arrive(q_empty(s));
+        if (lane == 0) mbarrier_arrive(do_empty(s));
         // acc_dq[nd][2h + e]: query row dq_row0 + 16 warp + g + 8h, dim dq_col0 + 8 nd + 2t + e
         float* dq_rows = dq_accum_rows(p, seq, batch, head);
 #pragma unroll

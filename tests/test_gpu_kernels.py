@@ -254,9 +254,11 @@ def test_compile_cache_reuses_kernels(gpu, monkeypatch):
     assert len(_compile._modules) == n_modules, f"module cache grew {n_modules} -> {len(_compile._modules)}"
     from cuflash.backends import cuda
 
-    # the first call's configs (a small grid: the backward's small-grid tile, config._TILES_SMALL_GRID)
-    cfgs = [config.choose_forward(dtype, d, causal),
-            *config.choose_backward(dtype, d, causal, key_slabs=2 * 2, seqlen_k=130, sms=cuda._multiprocessors())]
+    # the first call's configs on this GPU (a small grid: the mma backward's small-grid tile, config._TILES_SMALL_GRID)
+    on_this_gpu = {"compute_capability": cuda.compute_capability(), "family": config.forced_family()}
+    cfgs = [config.choose_forward(dtype, d, causal, **on_this_gpu),
+            *config.choose_backward(dtype, d, causal, key_slabs=2 * 2, seqlen_k=130, sms=cuda._multiprocessors(),
+                                    **on_this_gpu)]
     cached = {key[0] for key in _compile._kernels}
     for cfg in cfgs:
         assert cfg in cached, f"{cfg.template_name} not in the kernel cache after use"

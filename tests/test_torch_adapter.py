@@ -269,7 +269,8 @@ def test_gpu_compile(gpu, mode):
 @pytest.mark.gpu
 def test_gpu_side_stream(gpu):
     """Forward and backward through autograd inside `with torch.cuda.stream(s)`, behind a long busy
-    kernel on s, results consumed on s at once: bitwise equal to the default-stream results."""
+    kernel on s, results consumed on s at once: equal to the default-stream results (bitwise, but dq: its
+    fp32 adds are atomic, their order free; a kernel on the wrong stream would leave it far off)."""
     _cuda()
     q, k, v = _qkv((2, 300, 4, 64), (2, 411, 2, 64), dtype=torch.bfloat16, device="cuda")
     do = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
@@ -288,4 +289,7 @@ def test_gpu_side_stream(gpu):
         got = run(q, k, v, do.clone())
     s.synchronize()
     for name, a, b in zip(("o", "dq", "dk", "dv"), got, ref):
-        assert torch.equal(a, b), f"{name}: differs from the default-stream result"
+        if name == "dq":
+            assert torch.allclose(a, b, rtol=1e-2, atol=1e-3), "dq: differs from the default-stream result"
+        else:
+            assert torch.equal(a, b), f"{name}: differs from the default-stream result"
