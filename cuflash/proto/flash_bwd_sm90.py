@@ -393,12 +393,12 @@ def make_flash_bwd_sm90(cfg):
                      window_left, window_right, tanh_in, bias, score_log2, seed_lo, seed_hi,
                      uint64(batch * nheads + head), offset, dropout_threshold)
                 to_a_frag(acc_s, sA, 0, key, lane, IS_DROPOUT)
-            cuda.syncthreads()  # (CUDA: none, P^T is in registers)
+            cuda.syncthreads()  # every thread's P^T is in sA (CUDA: none, it stays in registers)
             if consumer >= 0:
                 issue_dv(it, acc_dv, sA, sdO, key, lane)
                 ds_of(it, acc_s, acc_dp, dcap, sD, lane, dropout_scale)
                 to_a_frag(acc_dp, sA, 1, key, lane, False)
-            cuda.syncthreads()
+            cuda.syncthreads()  # and its dS^T
             if consumer >= 0:
                 issue_dk(it, acc_dk, sA, sQ, key, lane)
                 store_ds(it, acc_dp, sdS, key, lane)
