@@ -7,7 +7,9 @@ inputs and outputs; the tests here compare SIM_CASES with cuflash.reference and 
 softcap, ALiBi, dropout, varlen) with the NumPy backend, which specifies the variants. The rest of the suite keeps whatever numba mode it
 had. Tiles are tiny (16 x 16, 1-2 warps): the simulator runs each thread as a Python thread. SM90_CASES run
 the Hopper forward's prototype (proto/flash_fwd_sm90.py, which the backend does not launch) at its smallest
-tiles: 64 or 128 query rows, a producer and one or two consumer warpgroups (256 or 384 threads).
+tiles: 64 or 128 query rows, a producer and one or two consumer warpgroups (256 or 384 threads); SM90_BWD_CASES
+the Hopper backward's (proto/flash_bwd_sm90.py, between flash_bwd.py's preprocess and postprocess) at 64 or 128
+keys, likewise.
 
 GPU tests (marked gpu) run the backend on the real device at moderate sizes against the reference and
 the CUDA backend; they skip themselves where no GPU is visible or the simulator is forced.
@@ -85,6 +87,28 @@ SM90_CASES = {
                                           {"window": (10, -1), "softcap": 2.0}),
     "sm90_f16_alibi_dropout_batch2": (2, 24, 50, 2, 2, 32, False, "float16", (64, 64, 32, 8), 2,
                                       {"alibi": (2, 2), "dropout_p": 0.3, "seed": 0xABCDEF12345, "offset": 3}),
+}
+
+# proto/flash_bwd_sm90.py (between flash_bwd.py's preprocess and postprocess), backward only: name -> (batch,
+# seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, dtype, (cfg head_dim, block_m, block_n, warps),
+# variants). The smallest tiles the kernel's roles allow: 64 keys per consumer (block_n = 64 * consumers, warps
+# = 4 * (1 + consumers)), block_m = 64; 256 or 384 threads, a few seconds per (query head, query block) pair.
+# dQ's 64 x 64 tiles: one in all (each consumer its own keys' share) except at cfg head dim 128 with two
+# consumers (a tile each, over all keys). O and LSE from the NumPy backend; plain cases against
+# cuflash.reference, those with variants against the NumPy backend.
+SM90_BWD_CASES = {
+    # 2 query heads x 2 query blocks: each stage of the ring is used twice (the producer waits on q_empty,
+    # do_empty); rows 0 .. 39 see no key
+    "sm90_bwd_f32_causal_sq_gt_sk_empty_rows_gqa_ring": (1, 100, 60, 2, 1, 64, True, "float32", (64, 64, 64, 8),
+                                                         {}),
+    "sm90_bwd_f16_d40_causal_sq_lt_sk": (1, 50, 110, 1, 1, 40, True, "float16", (64, 64, 64, 8), {}),
+    "sm90_bwd_f32_d96_two_consumers_dq_tiles": (1, 60, 100, 1, 1, 96, False, "float32", (128, 64, 128, 12), {}),
+    "sm90_bwd_f32_seqlen_k_zero": (1, 9, 0, 2, 1, 64, False, "float32", (64, 64, 64, 8), {}),
+    # two consumers adding their keys' shares into the one dQ tile; key block 0 is outside every row's window
+    # (no pairs: dK = dV = 0)
+    "sm90_bwd_f16_window_softcap_alibi_dropout": (1, 40, 200, 1, 1, 64, True, "float16", (64, 64, 128, 12),
+                                                  {"window": (20, -1), "softcap": 2.0, "alibi": (1,),
+                                                   "dropout_p": 0.25, "seed": 0x1234567, "offset": 2}),
 }
 
 OUTPUTS = ("o", "lse", "dq", "dk", "dv")
@@ -205,6 +229,12 @@ def _sm90_variant_case(case):
     return b, sq, sk, h, hk, d, causal, dt, tile, variants, None
 
 
+def _sm90_bwd_variant_case(case):
+    """A SM90_BWD_CASES entry as a VARIANT_CASES one (dense), for _variant_inputs and _numpy_backend."""
+    b, sq, sk, h, hk, d, causal, dt, tile, variants = case
+    return b, sq, sk, h, hk, d, causal, dt, tile, variants, None
+
+
 def _sm90_forward(q, k, v, *, causal, softmax_scale, cfg, stages=None, **variants):
     """(o, lse) of proto/flash_fwd_sm90.py, launched as the Numba backend launches flash_fwd (its _forward,
     dense), with the same arguments."""
@@ -224,6 +254,40 @@ def _sm90_forward(q, k, v, *, causal, softmax_scale, cfg, stages=None, **variant
                     *nb._variant_args(launcher, np, dt, h, causal, **variants),
                     np.zeros(1, dtype=np.int32), np.zeros((1, 1), dtype=np.int32))
     return nb._finish(None, o, q.dtype), lse
+
+
+def _sm90_backward(do, q, k, v, o, lse, *, causal, softmax_scale, cfg, **variants):
+    """(dq, dk, dv) of proto/flash_bwd_sm90.py between flash_bwd.py's preprocess and postprocess, launched as
+    the Numba backend's _backward launches flash_bwd (dense), with the same arguments. The preprocess and
+    postprocess take 16-row blocks of one warp (they take no head dim)."""
+    import dataclasses
+
+    from cuflash.backends import numba as nb
+    from cuflash.config import dtype_name
+    from cuflash.proto.flash_bwd import make_flash_bwd_postprocess, make_flash_bwd_preprocess
+    from cuflash.proto.flash_bwd_sm90 import make_flash_bwd_sm90
+
+    dt = dtype_name(q.dtype)
+    b, sq, h, d = q.shape
+    hk = k.shape[2]
+    launcher = nb._Launcher()
+    work = np.float32 if dt == "bfloat16" else q.dtype
+    acc = np.float64 if dt == "float64" else np.float32
+    dq, dk, dv = (np.empty(x.shape, work) for x in (q, k, v))
+    dsum = np.empty((b, h, sq), acc)
+    dq_accum = np.empty((b, h, sq, d), acc)
+    semaphore = np.zeros((b, h, 1), np.int32)
+    pre, post = (dataclasses.replace(cfg, kernel=kn, block_m=16, block_n=16, warps=1)
+                 for kn in ("flash_bwd_preprocess", "flash_bwd_postprocess"))
+    var = nb._variant_args(launcher, np, dt, h, causal, **variants)
+    scale, scale_log2 = nb._scales(dt, softmax_scale)
+    q_, k_, v_, do_, o_, lse_ = (launcher.inp(x) for x in (q, k, v, do, o, lse))
+    launcher.launch(make_flash_bwd_preprocess, pre, (-(-sq // 16), h, b), do_, o_, dsum, dq_accum, semaphore,
+                    var[0], var[1])
+    launcher.launch(make_flash_bwd_sm90, cfg, (hk, b, -(-k.shape[1] // cfg.block_n)), q_, k_, v_, do_, lse_, dsum,
+                    dk, dv, dq_accum, semaphore, scale, scale_log2, *var)
+    launcher.launch(make_flash_bwd_postprocess, post, (-(-sq // 16), h, b), dq_accum, dq, scale, var[0], var[1])
+    return tuple(nb._finish(None, x, q.dtype) for x in (dq, dk, dv))
 
 
 def _sm90_refusals() -> list[str]:
@@ -251,11 +315,35 @@ def _sm90_refusals() -> list[str]:
     return fails
 
 
+def _sm90_bwd_refusals() -> list[str]:
+    """make_flash_bwd_sm90 refuses what the CUDA kernel does not serve or cannot be built for."""
+    from cuflash.config import DETERMINISTIC, PAGED, SEQUSED, VARLEN, KernelConfig
+    from cuflash.proto.flash_bwd_sm90 import make_flash_bwd_sm90
+
+    fails = []
+    bad = [KernelConfig("flash_bwd_sm90", "float16", 64, 64, 128, 12, bits)
+           for bits in (VARLEN, SEQUSED, PAGED, DETERMINISTIC)]
+    bad += [KernelConfig("flash_bwd", "float16", 64, 64, 128, 12, 0),  # another kernel
+            KernelConfig("flash_bwd_sm90", "float16", 64, 64, 96, 12, 0),  # block_n not whole warpgroups
+            KernelConfig("flash_bwd_sm90", "float16", 64, 64, 128, 8, 0),  # one warpgroup short
+            KernelConfig("flash_bwd_sm90", "float16", 64, 96, 128, 12, 0),  # block_m not whole slabs
+            KernelConfig("flash_bwd_sm90", "float16", 96, 64, 128, 12, 0),  # head_dim not whole slabs
+            KernelConfig("flash_bwd_sm90", "float16", 128, 128, 128, 12, 0)]  # 4 dQ tiles for 2 consumers
+    for cfg in bad:
+        try:
+            make_flash_bwd_sm90(cfg)
+            fails.append(f"no ValueError for {cfg}")
+        except ValueError:
+            pass
+    return fails
+
+
 def _sim_worker(out_path: str) -> None:
     import dataclasses
 
     from cuflash import _params
     from cuflash.backends import numba as nb
+    from cuflash.backends import numpy as npb
     from cuflash.config import LOCAL, KernelConfig
 
     assert nb._simulator(), "NUMBA_ENABLE_CUDASIM=1 must be set before numba is imported"
@@ -321,6 +409,23 @@ def _sim_worker(out_path: str) -> None:
             o, lse = _sm90_forward(q, k, v, causal=causal, softmax_scale=1.0 / math.sqrt(d), cfg=cfg, stages=stages,
                                    **kw)
             arrays[f"{name}/o"], arrays[f"{name}/lse"] = o, lse
+            failures[name] = ""
+        except Exception:
+            failures[name] = traceback.format_exc()
+        timings[name] = time.perf_counter() - t0
+
+    failures["sm90_bwd_refusals"] = "\n".join(_sm90_bwd_refusals())
+    for seed, (name, case) in enumerate(SM90_BWD_CASES.items(), start=300):
+        b, sq, sk, h, hk, d, causal, dt, (cd, bm, bn, warps), _ = case
+        t0 = time.perf_counter()
+        try:
+            q, k, v, do, kw = _variant_inputs(seed, _sm90_bwd_variant_case(case))
+            scale = 1.0 / math.sqrt(d)
+            o, lse = npb.forward(q, k, v, causal=causal, softmax_scale=scale, **kw)
+            cfg = KernelConfig("flash_bwd_sm90", dt, cd, bm, bn, warps, _params.variant(causal, **kw))
+            grads = _sm90_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale, cfg=cfg, **kw)
+            for key, x in zip(("dq", "dk", "dv"), grads):
+                arrays[f"{name}/{key}"] = x
             failures[name] = ""
         except Exception:
             failures[name] = traceback.format_exc()
@@ -622,6 +727,64 @@ def test_sim_sm90_refusals(sim):
     """make_flash_fwd_sm90 raises ValueError for varlen, seqused, paged, another kernel, a block_m or warps that
     are not whole warpgroups, a head_dim that is not whole 64-column slabs, a ring of one stage."""
     failure = str(sim["sm90_refusals/failure"])
+    assert not failure, failure
+
+
+@pytest.mark.parametrize("name", list(SM90_BWD_CASES))
+def test_sim_sm90_backward(sim, name):
+    """The Hopper backward's prototype between flash_bwd.py's preprocess and postprocess: dQ, dK, dV of
+    cuflash.reference (plain cases, test_sim_case's rules) or of the NumPy backend (variants), rows that see no
+    key giving dQ = 0; every mbarrier wait found its phase complete (the prototype raises otherwise)."""
+    from cuflash import reference
+
+    failure = str(sim[f"{name}/failure"])
+    assert not failure, failure
+    case = SM90_BWD_CASES[name]
+    b, sq, sk, h, hk, d, causal, dt, _, variants = case
+    seed = 300 + list(SM90_BWD_CASES).index(name)
+    q, k, v, do, kw = _variant_inputs(seed, _sm90_bwd_variant_case(case))
+    got = {key: sim[f"{name}/{key}"] for key in ("dq", "dk", "dv")}
+    for key, x in zip(got, (q, k, v)):
+        assert got[key].shape == x.shape and got[key].dtype == x.dtype, key
+    if variants:
+        _compare_with_numpy(sim, name, _numpy_backend(_sm90_bwd_variant_case(case), seed), dt,
+                            keys=("dq", "dk", "dv"))
+        return
+    scale = 1.0 / math.sqrt(d)
+    rows = np.arange(sq)
+    empty = (np.minimum(sk, rows + 1 + sk - sq) <= 0) if causal else np.full(sq, sk == 0)
+    assert np.all(got["dq"][:, empty].astype(np.float64) == 0)
+    refs = reference.backward(do, q, k, v, causal=causal, softmax_scale=scale)
+    tol = _tolerance(dt)
+    for i, key in enumerate(("dq", "dk", "dv")):
+        x = got[key]
+        assert not np.isnan(x.astype(np.float64)).any(), f"{name} {key} has NaN"
+        if tol is not None:
+            err, bound = reference.max_abs_error(x, refs[i]), tol[1]
+        else:  # test_sim_case's accuracy rule against a materialized attention stored in the dtype
+            same = reference.backward(do, q, k, v, causal=causal, softmax_scale=scale, precision=dt)[i]
+            err, bound = reference.accuracy_bound(x, refs[i], same, atol=1e-3)
+        assert err <= bound, f"{name} {key}: max abs error {err:.3g} > {bound:.3g}"
+
+
+def test_sim_sm90_backward_dropout_and_empty_key_block(sim):
+    """The variant case applies dropout at all (its gradients differ from the undropped ones by far more than
+    rounding), and its first key block, outside every row's window, gets dK = dV = 0."""
+    name = "sm90_bwd_f16_window_softcap_alibi_dropout"
+    seed = 300 + list(SM90_BWD_CASES).index(name)
+    b, sq, sk, h, hk, d, causal, dt, tile, variants = SM90_BWD_CASES[name]
+    undropped = {key: x for key, x in variants.items() if key not in ("dropout_p", "seed", "offset")}
+    plain = _numpy_backend((b, sq, sk, h, hk, d, causal, dt, tile, undropped, None), seed)
+    assert np.max(np.abs(sim[f"{name}/dv"].astype(np.float64) - plain["dv"].astype(np.float64))) > 1e-2
+    for key in ("dk", "dv"):
+        assert np.all(sim[f"{name}/{key}"][:, :tile[2]].astype(np.float64) == 0), key
+
+
+def test_sim_sm90_backward_refusals(sim):
+    """make_flash_bwd_sm90 raises ValueError for varlen, seqused, paged, deterministic, another kernel, a
+    block_n or warps that are not whole warpgroups, block_m or head_dim not whole 64-column slabs, and dQ
+    tiles neither one per consumer nor one in all."""
+    failure = str(sim["sm90_bwd_refusals/failure"])
     assert not failure, failure
 
 

@@ -145,6 +145,7 @@ def assert_same(a: Path, b: Path, *, drop=()):
     (PROTO / "flash_fwd_sm90.py", SM90_FWD_STEPS),
     (KERNELS / "flash_bwd.cu", BWD_STEPS),
     (KERNELS / "flash_bwd_sm90.cu", SM90_BWD_STEPS),
+    (PROTO / "flash_bwd_sm90.py", SM90_BWD_STEPS),
     (KERNELS / "flash_bwd_simt.cu", SIMT_BWD_STEPS),
     (PROTO / "flash_bwd.py", BWD_STEPS),
     (KERNELS / "mask.cuh", MASK_STEPS),
@@ -167,6 +168,7 @@ def test_contract_steps(path, expected):
 @pytest.mark.parametrize("cpp,py", [
     ("flash_fwd.cu", "flash_fwd.py"),
     ("flash_fwd_sm90.cu", "flash_fwd_sm90.py"),
+    ("flash_bwd_sm90.cu", "flash_bwd_sm90.py"),
     ("flash_bwd.cu", "flash_bwd.py"),
     ("mask.cuh", "mask.py"),
     ("softmax.cuh", "softmax.py"),
@@ -228,6 +230,21 @@ def test_sm90_prototype_names():
     for name in ("issue_s", "softmax_of", "issue_pv", "release", "to_p_frag", "producer"):
         assert re.search(rf"^    def {name}\(", py, re.M), f"proto/flash_fwd_sm90.py defines no {name}"
     assert py.count("# CUDA: wgmma") >= 2
+
+
+def test_sm90_backward_prototype_names():
+    """proto/flash_bwd_sm90.py keeps the kernel's names for its roles, barriers and pipeline pieces, and marks
+    its five wgmma products (S^T = K Q^T, dP^T = V dO^T, dV, dK, dQ) as `# CUDA: wgmma` FMA loops."""
+    cu = (KERNELS / "flash_bwd_sm90.cu").read_text()
+    py = (PROTO / "flash_bwd_sm90.py").read_text()
+    for name in ("producer", "consumer", "kv_full", "q_full", "do_full", "q_empty", "do_empty", "n_it", "n_m",
+                 "use", "phase", "m_block_first", "m_block_end", "wg_key0", "dq_tile", "dq_row0", "dq_col0",
+                 "dq_key0", "ds_tile", "dcap", "acc_dk", "acc_dv", "acc_dq", "lse_to_log2_offset"):
+        assert re.search(rf"\b{name}\b", cu), f"flash_bwd_sm90.cu has no {name}"
+        assert re.search(rf"\b{name}\b", py), f"proto/flash_bwd_sm90.py has no {name}"
+    for name in ("q_full", "do_full", "q_empty", "do_empty", "producer"):
+        assert re.search(rf"^    def {name}\(", py, re.M), f"proto/flash_bwd_sm90.py defines no {name}"
+    assert py.count("# CUDA: wgmma") >= 5
 
 
 def test_prototype_mask_names():

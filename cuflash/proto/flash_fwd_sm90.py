@@ -86,7 +86,7 @@ def mbarrier_wait(bars, bar, phase, count):
     # full barrier a phase further would mean the stage was refilled unread: the phase waited for must be
     # the barrier's last completed one. The lock-step schedule completes it before its waiter comes.
     if bars[bar] // count != phase + 1:
-        raise RuntimeError("flash_fwd_sm90: an mbarrier wait did not find its phase the last completed one")
+        raise RuntimeError("sm90 prototype: an mbarrier wait did not find its phase the last completed one")
 
 
 @functools.lru_cache(maxsize=None)

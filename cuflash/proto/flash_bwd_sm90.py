@@ -1,0 +1,444 @@
+"""Mirror of kernels_cu/flash_bwd_sm90.cu: the Hopper backward (a producer and consumer warpgroups) in Numba-CUDA.
+
+`make_flash_bwd_sm90(cfg)` turns a KernelConfig of kernel "flash_bwd_sm90" into a kernel as make_flash_bwd
+does (proto/flash_bwd.py): head_dim (a multiple of 64: whole swizzle slabs), block_m (a multiple of 64),
+block_n (64 keys per consumer warpgroup), warps (4 per warpgroup: 4 * (1 + block_n / 64)), the variant bits
+and the accumulator type are closure constants. It runs between flash_bwd.py's preprocess and postprocess
+(D, the zeroed dq_accum; dQ = dq_accum * softmax_scale), with make_flash_bwd's arguments and grid:
+
+    grid (nheads_k, batch, ceil(seqlen_k / block_n)), block (warps * 32,)
+    kernel[grid, block](q, k, v, do, lse, dsum, dk, dv, dq_accum, semaphore, softmax_scale, scale_log2,
+                        *variant_args)
+
+Dense batches, not DETERMINISTIC, as the CUDA kernel (config.SM90_BWD_UNSERVED raises): cu_seqlens_q /
+cu_seqlens_k and semaphore are taken and never read.
+
+Roles, as in CUDA. Warpgroup 0 is the producer: thread 0 copies K and V once, then the Q and dO tiles of
+each (query head, query block) pair `it` into a ring of kStages = 2 stages, each tile waiting until the
+consumers have released the stage's previous use (q_empty, do_empty); warp 1 writes the pair's LSE offsets
+and D rows into the stage and arrives on q_full beside the Q tile. Warpgroup 1 + c is consumer c, owning keys
+64 c .. 64 c + 63: per pair S^T, dP^T, P^T, dV, dS^T, dK, its dS into sdS, then its 64 x 64 tile of dQ = dS K
+(kDqOwnKeys: the one tile, over its own keys only).
+
+What stands in for Hopper's machinery, as in proto/flash_fwd_sm90.py (the kernel's names are kept; stage is
+CUDA's s = it % kStages):
+  mbarriers    `bars`, a shared int32 array in the kernel's order (kv_full, q_full[2], do_full[2],
+               q_empty[2], do_empty[2]) counting arrivals; q_full takes 1 + 32 a phase (the TMA thread
+               and warp 1's lanes), the empties 4 per consumer (lane 0 of each warp).
+  TMA          the producer thread copies a tile itself (flash_fwd.load_tile: zeros past the sequence
+               and head_dim, as a box past the tensor's extent), then arrives on the full barrier.
+  asynchrony   none: lock-step phases, one consumer iteration each (every consumer at once), then the
+               producer's thread 0 and warp 1 issue whatever the releases allowed. A consumer's wait
+               that would block, or find the barrier a phase further, raises (a broken schedule).
+  wgmma        per-thread FMA loops marked `# CUDA: wgmma`, complete when they return.
+  registers    the A operands CUDA keeps in registers (P^T for dV, dS^T for dK: a_frag) go through
+               shared memory (sA), since a thread's partner holds the other half of its key's row.
+  named bars   CUDA's kDsReady (every consumer) and kStore + consumer (one warpgroup) are syncthreads.
+  setmaxnreg   no counterpart.
+Layout: a consumer's 128 threads hold its 64 keys two to a key (thread_layout(64, ., 128), proto/flash_fwd.py),
+each half of the key's queries (S^T, dP^T) and dims (dK, dV); the dQ tile likewise two threads to a query row.
+The producer warpgroup's threads pass every barrier holding nothing (CUDA's producer has returned).
+
+Arithmetic is proto/flash_bwd.py's: acc_t accumulation, dot products summed in order, P and dS not rounded to
+16 bits (CUDA rounds them to T for the wgmma), one Philox call per dropout keep flag, math.tanh for the softcap.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from numba import cuda, int32, uint64
+
+from ..config import DETERMINISTIC, PAGED, SEQUSED, SM90_BWD_UNSERVED, VARLEN
+from .dropout import keep
+from .flash_bwd import LOG2E, lse_to_log2_offset
+from .flash_fwd import acc_type, load_tile, thread_layout, variant_flags
+from .flash_fwd_sm90 import WARPGROUP, mbarrier_arrive, mbarrier_try_wait, mbarrier_wait
+from .mask import m_block_range, needs_mask, score_mod, score_mod_init, visible
+from .seqinfo import seq_info
+
+WG_KEYS = 64  # keys of one consumer warpgroup
+DQ_TILE = 64  # dQ = dS K in 64 x 64 tiles
+
+
+@functools.lru_cache(maxsize=None)
+def make_flash_bwd_sm90(cfg):
+    """The Hopper backward kernel for one KernelConfig (any dtype here; CUDA's is 16-bit only)."""
+    if cfg.kernel != "flash_bwd_sm90":
+        raise ValueError(f"make_flash_bwd_sm90 builds flash_bwd_sm90, not {cfg.kernel}")
+    if cfg.variant & SM90_BWD_UNSERVED:
+        names = [n for bit, n in ((VARLEN, "varlen"), (SEQUSED, "seqused"), (PAGED, "paged"),
+                                  (DETERMINISTIC, "deterministic")) if cfg.variant & bit]
+        raise ValueError(f"flash_bwd_sm90 serves dense, atomic-add batches only, not {', '.join(names)}")
+    if cfg.block_n <= 0 or cfg.block_n % WG_KEYS or cfg.warps != 4 * (1 + cfg.block_n // WG_KEYS):
+        raise ValueError(f"flash_bwd_sm90: block_n must be a multiple of {WG_KEYS} and warps 4 * (1 + block_n / "
+                         f"{WG_KEYS}) (a producer and one consumer warpgroup per {WG_KEYS} keys), got "
+                         f"block_n={cfg.block_n}, warps={cfg.warps}")
+    if cfg.head_dim <= 0 or cfg.head_dim % 64 or cfg.block_m <= 0 or cfg.block_m % 64:
+        raise ValueError(f"flash_bwd_sm90: head_dim and block_m must be whole 64-column slabs, got "
+                         f"head_dim={cfg.head_dim}, block_m={cfg.block_m}")
+    HEAD_DIM = cfg.head_dim
+    BLOCK_M = cfg.block_m
+    BLOCK_N = cfg.block_n
+    CONSUMERS = cfg.warps // 4 - 1  # kConsumers
+    DQ_TILES = (BLOCK_M // DQ_TILE) * (HEAD_DIM // DQ_TILE)  # kDqTiles
+    if DQ_TILES not in (CONSUMERS, 1):
+        raise ValueError(f"flash_bwd_sm90: dQ takes a 64 x 64 tile per consumer or one in all, got {DQ_TILES} "
+                         f"tiles for {CONSUMERS} consumers")
+    DQ_OWN_KEYS = DQ_TILES == 1  # kDqOwnKeys: each consumer adds its own keys' share of the one tile
+    DQ_KEYS = WG_KEYS if DQ_OWN_KEYS else BLOCK_N  # kDqKeys
+    STAGES = 2  # kStages
+    IS_LOCAL, IS_SOFTCAP, IS_ALIBI, IS_DROPOUT, _, TRANSFORM = variant_flags(cfg)
+    ACC = acc_type(cfg.dtype)
+    # A consumer thread's share: key wg_key0 + tid // TPR, queries (S^T) / dims (dK, dV) lane + j * TPR;
+    # of the dQ tile, query row tid // TPR, dims lane + j * TPR
+    TPR, _, _, S_CPT = thread_layout(WG_KEYS, BLOCK_M, WARPGROUP)
+    D_CPT = thread_layout(WG_KEYS, HEAD_DIM, WARPGROUP)[3]
+    DQ_CPT = thread_layout(DQ_TILE, DQ_TILE, WARPGROUP)[3]
+    CAP_CPT = S_CPT if IS_SOFTCAP else 1
+    # mbarriers: indices into `bars`, in the kernel's order; arrivals a phase
+    KV_FULL = 0
+    N_BARS = 1 + 4 * STAGES
+    FULL_COUNT = 1  # kv_full, do_full: the producer's arrive.expect_tx (the bytes complete the phase)
+    Q_FULL_COUNT = 1 + 32  # the TMA thread, and warp 1's lanes with LSE and D
+    EMPTY_COUNT = 4 * CONSUMERS  # lane 0 of every consumer warp
+
+    @cuda.jit(device=True)
+    def q_full(stage):
+        return 1 + stage
+
+    @cuda.jit(device=True)
+    def do_full(stage):
+        return 1 + STAGES + stage
+
+    @cuda.jit(device=True)
+    def q_empty(stage):
+        return 1 + 2 * STAGES + stage
+
+    @cuda.jit(device=True)
+    def do_empty(stage):
+        return 1 + 3 * STAGES + stage
+
+    @cuda.jit(device=True)
+    def block_coordinates(q, k, cu_seqlens_q, cu_seqlens_k, window_left, window_right):
+        # [2] Block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
+        head_k = cuda.blockIdx.x
+        batch = cuda.blockIdx.y
+        n_block = cuda.blockIdx.z
+        _, _, seqlen_q, seqlen_k = seq_info(False, cu_seqlens_q, cu_seqlens_k, batch, q.shape[1], k.shape[1])
+        group = q.shape[2] // k.shape[2]
+        m_block_first, m_block_end = m_block_range(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k,
+                                                   BLOCK_M, BLOCK_N, n_block)
+        return head_k, batch, n_block, seqlen_q, seqlen_k, group, m_block_first, m_block_end
+
+    @cuda.jit(device=True)
+    def pair(it, head_k, group, n_m, m_block_first):  # pair it = hq * n_m + (m_block - m_block_first)
+        return head_k * group + it // n_m, m_block_first + it % n_m
+
+    @cuda.jit(device=True)
+    def producer(tile, bars, sK, sV, sQ, sdO, q, k, v, do, batch, head_k, group, key_begin, m_block_first,
+                 n_m, n_it, seqlen_q, seqlen_k):
+        # [3] Producer: K and V, then the Q, dO tiles (TMA) and LSE, D rows of each query block into a free stage
+        # Thread 0's copies in CUDA's order, from copy `tile` on: -1 K and V, 2 it the Q tile of pair it,
+        # 2 it + 1 its dO tile. Returns the first copy it could not issue yet (its stage still in use: CUDA
+        # blocks there in mbarrier_wait), or 2 n_it: all issued.
+        head_dim = q.shape[3]
+        if tile < 0:
+            load_tile(sK, k, batch, key_begin, head_k, seqlen_k, head_dim, 0, 1)  # CUDA: TMA, one box per slab
+            load_tile(sV, v, batch, key_begin, head_k, seqlen_k, head_dim, 0, 1)
+            mbarrier_arrive(bars, KV_FULL)
+            tile = 0
+        while tile < 2 * n_it:
+            it = tile // 2
+            stage = it % STAGES
+            use = it // STAGES
+            head, m_block = pair(it, head_k, group, n_m, m_block_first)
+            # each tile waits until the consumers are done with the stage's last use of it
+            if tile % 2 == 0:
+                if use > 0 and not mbarrier_try_wait(bars, q_empty(stage), use - 1, EMPTY_COUNT):
+                    break
+                load_tile(sQ[stage], q, batch, m_block * BLOCK_M, head, seqlen_q, head_dim, 0, 1)  # CUDA: TMA
+                mbarrier_arrive(bars, q_full(stage))
+            else:
+                if use > 0 and not mbarrier_try_wait(bars, do_empty(stage), use - 1, EMPTY_COUNT):
+                    break
+                load_tile(sdO[stage], do, batch, m_block * BLOCK_M, head, seqlen_q, head_dim, 0, 1)  # CUDA: TMA
+                mbarrier_arrive(bars, do_full(stage))
+            tile += 1
+        return tile
+
+    @cuda.jit(device=True)
+    def producer_rows(it, bars, sLse, sD, lse, dsum, batch, head_k, group, m_block_first, n_m, n_it, seqlen_q,
+                      lane):
+        # The producer's warp 1, from pair `it` on: LSE as exp2's offset (lse_to_log2_offset: +inf for a row
+        # that saw no key, so its P is 0) and D; rows past seqlen_q take offset 0 and D 0 (their Q and dO
+        # are zeros: they add nothing). Returns the first pair whose stage is still in use, or n_it.
+        while it < n_it:
+            stage = it % STAGES
+            use = it // STAGES
+            head, m_block = pair(it, head_k, group, n_m, m_block_first)
+            if use > 0 and not mbarrier_try_wait(bars, q_empty(stage), use - 1, EMPTY_COUNT):
+                break
+            for r in range(lane, BLOCK_M, 32):
+                row = m_block * BLOCK_M + r
+                if row < seqlen_q:
+                    sLse[stage, r] = lse_to_log2_offset(lse[batch, head, row])
+                    sD[stage, r] = dsum[batch, head, row]
+                else:
+                    sLse[stage, r] = 0
+                    sD[stage, r] = 0
+            mbarrier_arrive(bars, q_full(stage))
+            it += 1
+        return it
+
+    @cuda.jit(device=True)
+    def issue_s_dp(it, acc_s, acc_dp, bars, sK, sV, sQ, sdO, key, lane):
+        # [4] S^T = K Q^T and dP^T = V dO^T (wgmma from shared memory)
+        stage = it % STAGES
+        phase = it // STAGES
+        mbarrier_wait(bars, q_full(stage), phase, Q_FULL_COUNT)
+        for j in range(S_CPT):
+            c = lane + j * TPR
+            x = ACC(0)
+            for d in range(HEAD_DIM):  # CUDA: wgmma (K, Q from shared memory; fp32 in registers)
+                x += sK[key, d] * sQ[stage, c, d]
+            acc_s[j] = x
+        mbarrier_wait(bars, do_full(stage), phase, FULL_COUNT)
+        for j in range(S_CPT):
+            c = lane + j * TPR
+            x = ACC(0)
+            for d in range(HEAD_DIM):  # CUDA: wgmma (V, dO from shared memory)
+                x += sV[key, d] * sdO[stage, c, d]
+            acc_dp[j] = x
+
+    @cuda.jit(device=True)
+    def p_of(it, acc_s, dcap, sLse, col, lane, row_begin, m_block, n_block, seqlen_q, seqlen_k, window_left,
+             window_right, tanh_in, bias, score_log2, seed_lo, seed_hi, bh, offset, dropout_threshold):
+        # [5] Score modifiers, mask, P^T = exp2(S^T * scale_log2 - LSE * log2(e)), dropout
+        # This thread's scores: key col, queries row_begin + lane + j * TPR
+        shift = seqlen_k - seqlen_q
+        if TRANSFORM:
+            for j in range(S_CPT):
+                x, dc = score_mod(IS_SOFTCAP, IS_ALIBI, tanh_in, bias, shift, acc_s[j], row_begin + lane + j * TPR,
+                                  col)
+                acc_s[j] = x
+                if IS_SOFTCAP:
+                    dcap[j] = dc  # d logit / d(scale * S): the softcap's 1 - tanh^2
+        if needs_mask(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, m_block, n_block):
+            for j in range(S_CPT):
+                if not visible(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, row_begin + lane + j * TPR,
+                               col):
+                    acc_s[j] = -math.inf
+        stage = it % STAGES
+        for j in range(S_CPT):
+            acc_s[j] = math.exp2(acc_s[j] * score_log2 - sLse[stage, lane + j * TPR])
+        if IS_DROPOUT:
+            # a dropped entry is kept as -P: dV reads max(P, 0) (its 1 / (1 - p) applied at the store), dS
+            # tells kept from dropped by the sign
+            for j in range(S_CPT):
+                if not keep(seed_lo, seed_hi, bh, offset, dropout_threshold, row_begin + lane + j * TPR, col):
+                    acc_s[j] = -acc_s[j]
+
+    @cuda.jit(device=True)
+    def to_a_frag(acc, sA, which, key, lane, relu):
+        # CUDA's acc_to_a: an accumulator as the next wgmma's A operand (a_frag, this thread's registers;
+        # relu: the dropped -P as 0)
+        for j in range(S_CPT):
+            x = acc[j]
+            sA[which, key, lane + j * TPR] = max(x, ACC(0)) if relu else x
+
+    @cuda.jit(device=True)
+    def issue_dv(it, acc_dv, sA, sdO, key, lane):
+        # [6] dV += P^T dO (wgmma, P^T from registers)
+        stage = it % STAGES
+        for j in range(D_CPT):
+            c = lane + j * TPR
+            a = acc_dv[j]
+            for r in range(BLOCK_M):  # CUDA: wgmma (P^T from registers, dO from shared memory)
+                a += sA[0, key, r] * sdO[stage, r, c]
+            acc_dv[j] = a
+
+    @cuda.jit(device=True)
+    def ds_of(it, acc_s, acc_dp, dcap, sD, lane, dropout_scale):
+        # [7] dS^T = P^T (dP^T - D)
+        # D belongs to the query (column). Dropout: dL/dP is dP / (1 - p) where kept and 0 where dropped
+        # (there acc_s = -P, so dS = -P * D = acc_s * D). Softcap: times 1 - tanh^2.
+        stage = it % STAGES
+        for j in range(S_CPT):
+            d = sD[stage, lane + j * TPR]
+            if IS_DROPOUT:
+                if acc_s[j] >= 0:
+                    ds = acc_s[j] * (acc_dp[j] * dropout_scale - d)
+                else:
+                    ds = acc_s[j] * d
+            else:
+                ds = acc_s[j] * (acc_dp[j] - d)
+            if IS_SOFTCAP:
+                ds *= dcap[j]
+            acc_dp[j] = ds
+
+    @cuda.jit(device=True)
+    def issue_dk(it, acc_dk, sA, sQ, key, lane):
+        # [8] dK += dS^T Q (wgmma, dS^T from registers)
+        stage = it % STAGES
+        for j in range(D_CPT):
+            c = lane + j * TPR
+            a = acc_dk[j]
+            for r in range(BLOCK_M):  # CUDA: wgmma (dS^T from registers, Q from shared memory)
+                a += sA[1, key, r] * sQ[stage, r, c]
+            acc_dk[j] = a
+
+    @cuda.jit(device=True)
+    def store_ds(it, acc_dp, sdS, key, lane):
+        # [9] dS into shared memory; dQ_accum += dS K (wgmma), fp32 atomic adds
+        # dS (queries x keys) into sdS, this consumer's keys (CUDA: transposed 16-bit stores, swizzled)
+        ds_tile = it & 1  # two sdS: one written while the other may still be read
+        for j in range(S_CPT):
+            sdS[ds_tile, lane + j * TPR, key] = acc_dp[j]
+
+    @cuda.jit(device=True)
+    def issue_dq(it, acc_dq, sdS, sK, dq_row0, dq_col0, dq_key0, row, lane):
+        # This consumer's 64 x 64 tile of dS K: query row dq_row0 + row, dims dq_col0 + lane + j * TPR
+        ds_tile = it & 1
+        for j in range(DQ_CPT):
+            c = dq_col0 + lane + j * TPR
+            a = ACC(0)
+            for n in range(dq_key0, dq_key0 + DQ_KEYS):  # CUDA: wgmma (dS, K from shared memory)
+                a += sdS[ds_tile, dq_row0 + row, n] * sK[n, c]
+            acc_dq[j] = a
+
+    @cuda.jit(device=True)
+    def release(bars, stage, tid):
+        # dV, dK and dQ have completed (CUDA: wgmma_wait<0>): the stage's Q and dO go back to the producer
+        if tid % 32 == 0:
+            mbarrier_arrive(bars, q_empty(stage))
+            mbarrier_arrive(bars, do_empty(stage))
+
+    @cuda.jit
+    def flash_bwd_sm90(q, k, v, do, lse, dsum, dk, dv, dq_accum, semaphore, softmax_scale, scale_log2, cu_seqlens_q,
+                       cu_seqlens_k, window_left, window_right, softcap, alibi_slopes, alibi_batch_stride, seed_lo,
+                       seed_hi, offset, dropout_threshold, dropout_scale):
+        sK = cuda.shared.array((BLOCK_N, HEAD_DIM), ACC)
+        sV = cuda.shared.array((BLOCK_N, HEAD_DIM), ACC)
+        sQ = cuda.shared.array((STAGES, BLOCK_M, HEAD_DIM), ACC)
+        sdO = cuda.shared.array((STAGES, BLOCK_M, HEAD_DIM), ACC)
+        sdS = cuda.shared.array((2, BLOCK_M, BLOCK_N), ACC)
+        sA = cuda.shared.array((2, BLOCK_N, BLOCK_M), ACC)  # CUDA: a_frag in registers; 0 P^T, 1 dS^T
+        sLse = cuda.shared.array((STAGES, BLOCK_M), ACC)  # LSE * log2(e): exp2 offsets
+        sD = cuda.shared.array((STAGES, BLOCK_M), ACC)
+        bars = cuda.shared.array(N_BARS, int32)
+
+        head_k, batch, n_block, seqlen_q, seqlen_k, group, m_block_first, m_block_end = block_coordinates(
+            q, k, cu_seqlens_q, cu_seqlens_k, window_left, window_right)
+        key_begin = n_block * BLOCK_N
+        n_m = max(m_block_end - m_block_first, 0)
+        n_it = group * n_m
+        warpgroup = cuda.threadIdx.x // WARPGROUP
+        nheads = q.shape[2]
+        head_dim = q.shape[3]
+
+        if cuda.threadIdx.x == 0:  # mbarrier_init: no arrivals yet
+            for b in range(N_BARS):
+                bars[b] = 0
+        cuda.syncthreads()
+
+        # Producer (CUDA: setmaxnreg.dec; thread 0 issues the copies, warp 1 the LSE and D rows, then the
+        # warpgroup returns). Here they fill the ring now and go on after each phase below.
+        tile = -1
+        rows_it = 0
+        if cuda.threadIdx.x == 0:
+            tile = producer(tile, bars, sK, sV, sQ, sdO, q, k, v, do, batch, head_k, group, key_begin,
+                            m_block_first, n_m, n_it, seqlen_q, seqlen_k)
+        if cuda.threadIdx.x // 32 == 1:
+            rows_it = producer_rows(rows_it, bars, sLse, sD, lse, dsum, batch, head_k, group, m_block_first, n_m,
+                                    n_it, seqlen_q, cuda.threadIdx.x % 32)
+        cuda.syncthreads()  # the copies have landed (CUDA: the consumers wait on kv_full, q_full, do_full)
+
+        # Consumers (CUDA: setmaxnreg.inc). consumer -1: the producer warpgroup, holding nothing.
+        consumer = warpgroup - 1
+        tid = cuda.threadIdx.x - WARPGROUP * warpgroup
+        lane = tid % TPR
+        wg_key0 = WG_KEYS * consumer
+        key = wg_key0 + tid // TPR  # this thread's key inside the block
+        dq_tile = 0 if DQ_OWN_KEYS else consumer
+        dq_row0 = DQ_TILE * (dq_tile % (BLOCK_M // DQ_TILE))
+        dq_col0 = DQ_TILE * (dq_tile // (BLOCK_M // DQ_TILE))
+        dq_key0 = wg_key0 if DQ_OWN_KEYS else 0
+        dq_r = tid // TPR  # this thread's query row of the dQ tile
+
+        acc_s = cuda.local.array(S_CPT, ACC)
+        acc_dp = cuda.local.array(S_CPT, ACC)
+        dcap = cuda.local.array(CAP_CPT, ACC)
+        acc_dk = cuda.local.array(D_CPT, ACC)
+        acc_dv = cuda.local.array(D_CPT, ACC)
+        acc_dq = cuda.local.array(DQ_CPT, ACC)
+        for j in range(D_CPT):
+            acc_dk[j] = 0
+            acc_dv[j] = 0
+        if consumer >= 0:
+            mbarrier_wait(bars, KV_FULL, 0, FULL_COUNT)
+
+        for it in range(n_it):
+            stage = it % STAGES
+            head, m_block = pair(it, head_k, group, n_m, m_block_first)
+            row_begin = m_block * BLOCK_M
+            if consumer >= 0:
+                # ScoreMod of this (batch, head): the transform's constants and exp2's scale
+                slope = alibi_slopes[batch * alibi_batch_stride + head] if IS_ALIBI else ACC(0)
+                _, tanh_in, bias, score_log2 = score_mod_init(IS_SOFTCAP, softmax_scale, softcap, slope,
+                                                              scale_log2, ACC(LOG2E))
+                issue_s_dp(it, acc_s, acc_dp, bars, sK, sV, sQ, sdO, key, lane)
+                p_of(it, acc_s, dcap, sLse, key_begin + key, lane, row_begin, m_block, n_block, seqlen_q, seqlen_k,
+                     window_left, window_right, tanh_in, bias, score_log2, seed_lo, seed_hi,
+                     uint64(batch * nheads + head), offset, dropout_threshold)
+                to_a_frag(acc_s, sA, 0, key, lane, IS_DROPOUT)
+            cuda.syncthreads()  # every thread's P^T is in sA (CUDA: none, it stays in registers)
+            if consumer >= 0:
+                issue_dv(it, acc_dv, sA, sdO, key, lane)
+                ds_of(it, acc_s, acc_dp, dcap, sD, lane, dropout_scale)
+                to_a_frag(acc_dp, sA, 1, key, lane, False)
+            cuda.syncthreads()  # and its dS^T
+            if consumer >= 0:
+                issue_dk(it, acc_dk, sA, sQ, key, lane)
+                store_ds(it, acc_dp, sdS, key, lane)
+            # CUDA: fence_proxy_async, then named barrier kStore + consumer (kDqOwnKeys: this consumer's keys
+            # are in) or kDsReady (every consumer's)
+            cuda.syncthreads()
+            if consumer >= 0:
+                issue_dq(it, acc_dq, sdS, sK, dq_row0, dq_col0, dq_key0, dq_r, lane)
+                release(bars, stage, tid)
+                row = row_begin + dq_row0 + dq_r
+                if row < seqlen_q:
+                    for j in range(DQ_CPT):
+                        c = dq_col0 + lane + j * TPR
+                        if c < head_dim:  # CUDA: red.global.add.v2.f32
+                            cuda.atomic.add(dq_accum, (batch, head, row, c), acc_dq[j])
+            cuda.syncthreads()  # end of the phase: the releases are in
+            if cuda.threadIdx.x == 0:
+                tile = producer(tile, bars, sK, sV, sQ, sdO, q, k, v, do, batch, head_k, group, key_begin,
+                                m_block_first, n_m, n_it, seqlen_q, seqlen_k)
+            if cuda.threadIdx.x // 32 == 1:
+                rows_it = producer_rows(rows_it, bars, sLse, sD, lse, dsum, batch, head_k, group, m_block_first,
+                                        n_m, n_it, seqlen_q, cuda.threadIdx.x % 32)
+            cuda.syncthreads()  # and the copies they allowed have landed
+
+        # [10] Store dK * softmax_scale and dV
+        # Through this consumer's rows of sK and sV, once every consumer's last dQ (which reads sK) has
+        # completed (CUDA: named barrier kDsReady)
+        cuda.syncthreads()
+        dv_scale = dropout_scale if IS_DROPOUT else ACC(1)
+        if consumer >= 0:
+            for j in range(D_CPT):
+                sK[key, lane + j * TPR] = acc_dk[j] * softmax_scale
+                sV[key, lane + j * TPR] = acc_dv[j] * dv_scale
+        cuda.syncthreads()  # CUDA: named barrier kStore + consumer, the warpgroup's 128 threads
+        if consumer >= 0:
+            for e in range(tid, WG_KEYS * HEAD_DIM, WARPGROUP):  # CUDA: 16-byte chunks
+                r = wg_key0 + e // HEAD_DIM
+                c = e % HEAD_DIM
+                if key_begin + r < seqlen_k and c < head_dim:
+                    dk[batch, key_begin + r, head_k, c] = sK[r, c]
+                    dv[batch, key_begin + r, head_k, c] = sV[r, c]
+
+    return flash_bwd_sm90
