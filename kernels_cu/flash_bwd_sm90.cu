@@ -11,14 +11,15 @@
 //     S^T = K Q^T and dP^T = V dO^T by wgmma from shared memory, P^T = exp2(S^T * scale_log2 - LSE * log2(e)),
 //     dV += P^T dO (P^T from registers), dS^T = P^T (dP^T - D), dK += dS^T Q (dS^T from registers);
 //     dS^T goes to shared memory as dS (queries x keys), and each consumer computes its share of
-//     dQ = dS K (64 rows x 64 columns, all kBlockN keys) and adds it into the fp32 dQ accumulator.
+//     dQ = dS K (a 64 x 64 tile, kDqOwnKeys) and adds it into the fp32 dQ accumulator (red.global.add).
 // Accumulators are in the mma.sync C layout per warp (wgmma.cuh), so masks, score modifiers and dropout are
 // flash_bwd's (for_each_score_t, for_each_keep_t).
 //
 // Shared memory (sm90.cuh: 128-byte swizzle, [head_dim / 64 slabs][rows][64], 1024-byte aligned), Sm90BwdSmem:
 //   sK, sV [kBlockN rows]; kStages x sQ, kStages x sdO [kBlockM rows]; two sdS [kBlockN / 64 slabs][kBlockM]
 //   [64 keys] (one written while the other may still be read); kStages x LSE offsets and D [kBlockM floats];
-//   mbarriers kv_full, q_full[kStages], do_full[kStages], q_empty[kStages], do_empty[kStages].
+//   mbarriers kv_full, q_full[kStages], do_full[kStages], q_empty[kStages], do_empty[kStages]. config.smem_bytes
+//   mirrors it.
 //
 // Serves dense batches, not DETERMINISTIC (config.choose_backward sends those to flash_bwd).
 #include "params.cuh"
@@ -145,7 +146,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
             }
         } else if (warp == 1) {
             // LSE as exp2's offset (lse_to_log2_offset: +inf for a row that saw no key, so its P is 0) and D;
-            // rows past seqlen_q take offset 0 and D 0 (their Q and dO are zeros: they add nothing)
+            // rows past seqlen_q take offset +inf (P = 0) and D 0: they add nothing, whatever their Q and dO hold
             int it = 0;
 #pragma unroll 1
             for (int head = head_k * group; head < (head_k + 1) * group; ++head)
@@ -160,7 +161,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
                 for (int r = lane; r < kBlockM; r += 32) {
                     const int row = row_begin + r;
                     const bool valid = row < seqlen_q;
-                    sLse[s * kBlockM + r] = valid ? lse_to_log2_offset(lse[row]) : 0.f;
+                    sLse[s * kBlockM + r] = valid ? lse_to_log2_offset(lse[row]) : -neg_inf<float>();
                     sD[s * kBlockM + r] = valid ? dsum[row] : 0.f;
                 }
                 mbarrier_arrive(q_full(s));

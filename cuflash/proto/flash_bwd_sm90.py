@@ -24,7 +24,8 @@ What stands in for Hopper's machinery, as in proto/flash_fwd_sm90.py (the kernel
 CUDA's s = it % kStages):
   mbarriers    `bars`, a shared int32 array in the kernel's order (kv_full, q_full[2], do_full[2],
                q_empty[2], do_empty[2]) counting arrivals; q_full takes 1 + 32 a phase (the TMA thread
-               and warp 1's lanes), the empties 4 per consumer (lane 0 of each warp).
+               and warp 1's lanes), q_empty 128 per consumer (every thread: each read LSE and D), do_empty
+               4 per consumer (lane 0 of each warp).
   TMA          the producer thread copies a tile itself (flash_fwd.load_tile: zeros past the sequence
                and head_dim, as a box past the tensor's extent), then arrives on the full barrier.
   asynchrony   none: lock-step phases, one consumer iteration each (every consumer at once), then the
@@ -102,7 +103,8 @@ def make_flash_bwd_sm90(cfg):
     N_BARS = 1 + 4 * STAGES
     FULL_COUNT = 1  # kv_full, do_full: the producer's arrive.expect_tx (the bytes complete the phase)
     Q_FULL_COUNT = 1 + 32  # the TMA thread, and warp 1's lanes with LSE and D
-    EMPTY_COUNT = 4 * CONSUMERS  # lane 0 of every consumer warp
+    Q_EMPTY_COUNT = 128 * CONSUMERS  # every consumer thread (each has read the stage's LSE and D rows)
+    DO_EMPTY_COUNT = 4 * CONSUMERS  # lane 0 of every consumer warp
 
     @cuda.jit(device=True)
     def q_full(stage):
@@ -156,12 +158,12 @@ def make_flash_bwd_sm90(cfg):
             head, m_block = pair(it, head_k, group, n_m, m_block_first)
             # each tile waits until the consumers are done with the stage's last use of it
             if tile % 2 == 0:
-                if use > 0 and not mbarrier_try_wait(bars, q_empty(stage), use - 1, EMPTY_COUNT):
+                if use > 0 and not mbarrier_try_wait(bars, q_empty(stage), use - 1, Q_EMPTY_COUNT):
                     break
                 load_tile(sQ[stage], q, batch, m_block * BLOCK_M, head, seqlen_q, head_dim, 0, 1)  # CUDA: TMA
                 mbarrier_arrive(bars, q_full(stage))
             else:
-                if use > 0 and not mbarrier_try_wait(bars, do_empty(stage), use - 1, EMPTY_COUNT):
+                if use > 0 and not mbarrier_try_wait(bars, do_empty(stage), use - 1, DO_EMPTY_COUNT):
                     break
                 load_tile(sdO[stage], do, batch, m_block * BLOCK_M, head, seqlen_q, head_dim, 0, 1)  # CUDA: TMA
                 mbarrier_arrive(bars, do_full(stage))
@@ -172,13 +174,13 @@ def make_flash_bwd_sm90(cfg):
     def producer_rows(it, bars, sLse, sD, lse, dsum, batch, head_k, group, m_block_first, n_m, n_it, seqlen_q,
                       lane):
         # The producer's warp 1, from pair `it` on: LSE as exp2's offset (lse_to_log2_offset: +inf for a row
-        # that saw no key, so its P is 0) and D; rows past seqlen_q take offset 0 and D 0 (their Q and dO
-        # are zeros: they add nothing). Returns the first pair whose stage is still in use, or n_it.
+        # that saw no key, so its P is 0) and D; rows past seqlen_q take offset +inf and D 0 (they add
+        # nothing). Returns the first pair whose stage is still in use, or n_it.
         while it < n_it:
             stage = it % STAGES
             use = it // STAGES
             head, m_block = pair(it, head_k, group, n_m, m_block_first)
-            if use > 0 and not mbarrier_try_wait(bars, q_empty(stage), use - 1, EMPTY_COUNT):
+            if use > 0 and not mbarrier_try_wait(bars, q_empty(stage), use - 1, Q_EMPTY_COUNT):
                 break
             for r in range(lane, BLOCK_M, 32):
                 row = m_block * BLOCK_M + r
@@ -186,7 +188,7 @@ def make_flash_bwd_sm90(cfg):
                     sLse[stage, r] = lse_to_log2_offset(lse[batch, head, row])
                     sD[stage, r] = dsum[batch, head, row]
                 else:
-                    sLse[stage, r] = 0
+                    sLse[stage, r] = math.inf
                     sD[stage, r] = 0
             mbarrier_arrive(bars, q_full(stage))
             it += 1
@@ -311,8 +313,8 @@ def make_flash_bwd_sm90(cfg):
     @cuda.jit(device=True)
     def release(bars, stage, tid):
         # dV, dK and dQ have completed (CUDA: wgmma_wait<0>): the stage's Q and dO go back to the producer
+        mbarrier_arrive(bars, q_empty(stage))
         if tid % 32 == 0:
-            mbarrier_arrive(bars, q_empty(stage))
             mbarrier_arrive(bars, do_empty(stage))
 
     @cuda.jit
