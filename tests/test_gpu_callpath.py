@@ -106,20 +106,22 @@ def _layout_inputs(gpu, kind, layout, b, s, h, hk, d, key):
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])
 def test_plan_cache_serves_repeated_calls(gpu, monkeypatch, kind, layout):
     """The second call of a signature never reaches the general path and gives the general path's
-    results, bitwise, in arrays of the same type and strides; another signature does reach it."""
+    results, bitwise (the deterministic backward, as `_run`: the atomic dQ adds' order varies), in arrays of
+    the same type and strides; another signature does reach it. The atomic backward's plans:
+    test_gpu_sm90.py."""
     cf = gpu.cuflash
     b, s, h, hk, d = 2, 256, 4, 2, 64
     ctx = gpu.ctx("bfloat16", b, s, s, h, hk, d, True, extra=f"plan cache, {kind}, {layout}")
     q, k, v, do = _layout_inputs(gpu, kind, layout, b, s, h, hk, d, ctx)
     o, lse = cf.flash_attn_forward(q, k, v, causal=True)
-    g = cf.flash_attn_backward(do, q, k, v, o, lse, causal=True)
+    g = cf.flash_attn_backward(do, q, k, v, o, lse, causal=True, deterministic=True)
     general = []
     real_fwd, real_bwd = api._forward, api._backward
     monkeypatch.setattr(api, "_forward", lambda *a, **kw: (general.append("fwd"), real_fwd(*a, **kw))[1])
     monkeypatch.setattr(api, "_backward", lambda *a, **kw: (general.append("bwd"), real_bwd(*a, **kw))[1])
     q2, k2, v2, do2 = _layout_inputs(gpu, kind, layout, b, s, h, hk, d, ctx)
     o2, lse2 = cf.flash_attn_forward(q2, k2, v2, causal=True)
-    g2 = cf.flash_attn_backward(do2, q2, k2, v2, o2, lse2, causal=True)
+    g2 = cf.flash_attn_backward(do2, q2, k2, v2, o2, lse2, causal=True, deterministic=True)
     assert general == [], f"a cached signature took the general path: {general} [{ctx}]"
     for name, x, y in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, *g), (o2, lse2, *g2)):
         assert type(y) is type(q) and y.shape == x.shape, f"{name}: {type(y)} {y.shape} [{ctx}]"
