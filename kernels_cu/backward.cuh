@@ -6,8 +6,8 @@
 
 namespace cuflash {
 
-// LSE (natural log) -> the offset subtracted from S * scale_log2 in exp2; -inf (no visible key) and
-// rows past seqlen_q give +inf, so P = exp2(finite or -inf - inf) = 0.
+// LSE (natural log) -> the offset subtracted from S * scale_log2 in exp2; -inf (the row saw no key) gives
+// +inf, so that P = exp2(finite or -inf - inf) = 0, never NaN.
 __device__ __forceinline__ float lse_to_log2_offset(float lse) {
     return lse == neg_inf<float>() ? -neg_inf<float>() : lse * 1.4426950408889634f;
 }
