@@ -81,8 +81,8 @@ class Unencodable(RuntimeError):
 class SM90Params:
     """A Hopper kernel's params struct (_params.FWD_SM90_PARAMS or BWD_SM90_PARAMS: `layout`) in a 64-byte
     aligned buffer: `raw` (uint8), the FwdParams or BwdParams record `p` at offset 0 and a map of each array in
-    `boxes` ({name: box rows}) after it. `follow()` points the maps at the arrays whose pointers are in `raw`
-    now (after a plan patched them): same geometry, new addresses.
+    `boxes` ({name: box rows}) after it. `follow(offset, pointers)` points the maps at the arrays whose pointers
+    a plan has just written into `raw` from byte `offset` on: same geometry, new addresses.
 
     A plan is built from its first call's arrays, whose pointers may be misaligned (the plan sends such calls
     to the general path, which copies them): TMA takes 16-byte aligned addresses only, so the maps are encoded
@@ -104,15 +104,15 @@ class SM90Params:
             self._follow.append((tensor_map.ctypes.data, _offset(p.dtype, pointer), address))
         self._replace = _driver().cuTensorMapReplaceAddress
 
-    def follow(self) -> None:
-        raw = self.raw
+    def follow(self, offset: int, pointers: tuple[int, ...]) -> None:
+        # the pointers themselves, not raw's bytes read back: this runs on every cached call
         for i, (tensor_map, off, address) in enumerate(self._follow):
-            now = int(raw[off:off + 8].view(np.uint64)[0])
-            if now != address:
-                err = self._replace(tensor_map, now)
+            k = (off - offset) >> 3
+            if 0 <= k < len(pointers) and off == offset + 8 * k and pointers[k] != address:
+                err = self._replace(tensor_map, pointers[k])
                 if err:
                     raise RuntimeError(f"cuTensorMapReplaceAddress failed (CUresult {err})")
-                self._follow[i] = (tensor_map, off, now)
+                self._follow[i] = (tensor_map, off, pointers[k])
 
 
 def _offset(dtype: np.dtype, field: str) -> int:

@@ -171,3 +171,32 @@ def test_tensor_map_geometry():
     assert _tma.geometry(pb, "do", 64) == ((96, 300, 8, 2), (96 * 2, 300 * 96 * 2, 8 * 300 * 96 * 2), (64, 64, 1, 1))
     assert _tma.geometry(pb, "q", 64)[:2] == _tma.geometry(p, "q", 64)[:2]
     assert _params.BWD_SM90_PARAMS.fields["tma_q"][1] % 64 == 0
+
+
+def test_tensor_maps_follow_patched_pointers(monkeypatch):
+    """A plan patches pointer runs (FWD_POINTERS: q, k, v, o, lse; BWD_POINTERS: dout, dq, dk, dv, dsum); each map
+    is re-addressed to its own array's new pointer, once, and not at all when the pointer is unchanged."""
+    from cuflash import _tma
+
+    replaced = []
+
+    class Driver:
+        @staticmethod
+        def cuTensorMapReplaceAddress(tensor_map, address):
+            replaced.append((tensor_map, address))
+            return 0
+
+    monkeypatch.setattr(_tma, "_driver", lambda: Driver)
+    monkeypatch.setattr(_tma, "encode", lambda *args: None)
+    p = np.zeros((), dtype=_params.BWD_PARAMS)
+    p["fwd"]["q"], p["fwd"]["k"], p["fwd"]["v"], p["dout"] = 0x1000, 0x2000, 0x3000, 0x4000
+    p["fwd"]["head_dim"], p["fwd"]["seqlen_q"], p["fwd"]["seqlen_k"], p["fwd"]["batch"] = 64, 8, 8, 1
+    sm90 = _tma.SM90Params(_params.BWD_SM90_PARAMS, p, "bfloat16", {"q": 64, "k": 128, "v": 128, "do": 64})
+    maps = {n: sm90.raw[off:off + 1].ctypes.data for n in ("q", "k", "v", "do")
+            for off in [_params.BWD_SM90_PARAMS.fields[f"tma_{n}"][1]]}
+    sm90.follow(_params.FWD_POINTERS, (0x1000, 0x2100, 0x3100, 0x5000, 0x6000))  # q unchanged; o, lse have no map
+    assert replaced == [(maps["k"], 0x2100), (maps["v"], 0x3100)]
+    replaced.clear()
+    sm90.follow(_params.BWD_POINTERS, (0x4100, 0x7000, 0x8000, 0x9000, 0xA000))
+    sm90.follow(_params.BWD_POINTERS, (0x4100, 0x7000, 0x8000, 0x9000, 0xA000))  # the same again: nothing
+    assert replaced == [(maps["do"], 0x4100)]

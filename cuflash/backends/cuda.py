@@ -106,7 +106,7 @@ class TmaLaunches(Launches):
 
     def patch(self, offset: int, *pointers: int) -> None:
         super().patch(offset, *pointers)
-        self.params.follow()
+        self.params.follow(offset, pointers)
 
 
 def forward_launches(q, k, v, o, lse, *, causal: bool, softmax_scale: float, varlen=None, **variants) -> Launches:
