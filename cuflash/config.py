@@ -211,9 +211,12 @@ def smem_bytes(cfg: KernelConfig) -> int:
         return 1024 + (bm + 2 * stages * bn) * d * e + 8 * (1 + 4 * stages)
     if cfg.kernel in ("flash_bwd_preprocess", "flash_bwd_postprocess"):
         return 0
-    if cfg.kernel == "flash_bwd_sm90":  # Sm90BwdSmem: slack, K, V, 2 stages of Q and dO, 2 dS, LSE and D, mbarriers
+    if cfg.kernel == "flash_bwd_sm90":
+        # Sm90BwdSmem: slack, K, V, 2 stages of Q and dO, 2 dS, LSE and D, d = 64's 2 sDqX, mbarriers
         stages = 2
-        return 1024 + (2 * bn * d + 2 * stages * bm * d + 2 * bm * bn) * e + 2 * stages * bm * 4 + 8 * (1 + 4 * stages)
+        dq_exchange = 2 * 2 * 2 * 32 * 32 * 4 if bm * d == 64 * 64 else 0
+        return (1024 + (2 * bn * d + 2 * stages * bm * d + 2 * bm * bn) * e + 2 * stages * bm * 4 + dq_exchange
+                + 8 * (1 + 4 * stages))
     if cfg.kernel == "flash_bwd":  # K, V tiles; dS^T tile (and P^T when warps share keys); per stage Q, dO, LSE, D
         warps_sharing_keys = cfg.warps // (bn // 16)  # kWM in flash_bwd.cu
         fixed = 2 * bn * row * e + (2 if warps_sharing_keys > 1 else 1) * bn * (bm + pad) * e
@@ -326,7 +329,7 @@ def choose_backward(dtype, head_dim: int, variant: int, *, key_slabs: int = 0, s
     if family == "sm90" and not hopper:
         raise ValueError("the sm90 kernel family cannot serve this backward: "
                          + ("it needs compute capability 9.0" if compute_capability != 90
-                            else "varlen, deterministic and head dims over 128 run on the mma family"))
+                            else "varlen and head dims over 128 run on the mma family"))
     if hopper and family != "mma":
         return pre, _make("flash_bwd_sm90", dt, head_dim, variant), post
     main = _make("flash_bwd", dt, head_dim, variant)
@@ -339,9 +342,9 @@ def choose_backward(dtype, head_dim: int, variant: int, *, key_slabs: int = 0, s
 # What flash_fwd_sm90 does not serve (choose_forward sends it to flash_fwd): per-sequence row offsets and key
 # counts, whose tiles TMA boxes over the whole array would not respect.
 SM90_UNSERVED = VARLEN | SEQUSED | PAGED
-# flash_bwd_sm90 adds into dQ as it comes (DETERMINISTIC's ordered adds are flash_bwd's). Above d = 64 the
-# softcap's derivative and dropout's keep mask take registers it lacks (the compile gate: spills).
-SM90_BWD_UNSERVED = SM90_UNSERVED | DETERMINISTIC
+# flash_bwd_sm90 serves what flash_fwd_sm90 does. Above d = 64 the softcap's derivative and dropout's keep
+# mask take registers it lacks (the compile gate: spills).
+SM90_BWD_UNSERVED = SM90_UNSERVED
 SM90_BWD_UNSERVED_ABOVE_64 = SOFTCAP | DROPOUT
 
 

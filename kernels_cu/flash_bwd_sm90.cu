@@ -11,17 +11,24 @@
 //     S^T = K Q^T and dP^T = V dO^T by wgmma from shared memory, P^T = exp2(S^T * scale_log2 - LSE * log2(e)),
 //     dV += P^T dO (P^T from registers), dS^T = P^T (dP^T - D), dK += dS^T Q (dS^T from registers);
 //     dS^T goes to shared memory as dS (queries x keys), and each consumer computes its share of
-//     dQ = dS K (a 64 x 64 tile, kDqOwnKeys) and adds it into the fp32 dQ accumulator (red.global.add).
+//     dQ = dS K (a 64 x 64 tile) and adds it into the fp32 dQ accumulator (red.global.add). At d = 128 that
+//     share is its own tile over all the block's keys; at d = 64 (kDqOwnKeys) there is one tile, each consumer
+//     computes it over its own keys, and the two partials are summed through shared memory (sDqX) before
+//     the adds, each consumer adding half of the rows.
+//   kDeterministic: the adds into each dQ tile come in a fixed order of key blocks (last to first, the launch
+//     order too), each tile's turn kept by a semaphore (backward.cuh) that producer warp 2, the turn warp,
+//     waits for and hands on, so that the consumers only meet it at a named barrier.
 // Accumulators are in the mma.sync C layout per warp (wgmma.cuh), so masks, score modifiers and dropout are
 // flash_bwd's (for_each_score_t, for_each_keep_t).
 //
 // Shared memory (sm90.cuh: 128-byte swizzle, [head_dim / 64 slabs][rows][64], 1024-byte aligned), Sm90BwdSmem:
 //   sK, sV [kBlockN rows]; kStages x sQ, kStages x sdO [kBlockM rows]; two sdS [kBlockN / 64 slabs][kBlockM]
 //   [64 keys] (one written while the other may still be read); kStages x LSE offsets and D [kBlockM floats];
+//   d = 64: two sDqX (the same reason) [from consumer][warp % 2][32 floats][32 lanes];
 //   mbarriers kv_full, q_full[kStages], do_full[kStages], q_empty[kStages], do_empty[kStages]. config.smem_bytes
 //   mirrors it.
 //
-// Serves dense batches, not DETERMINISTIC (config.choose_backward sends those to flash_bwd).
+// Serves dense batches (config.choose_backward sends varlen to flash_bwd).
 #include "params.cuh"
 #include "common.cuh"
 #include "seqinfo.cuh"
@@ -41,7 +48,10 @@ struct Sm90BwdSmem {  // byte offsets from the 1024-aligned base
     static constexpr unsigned kDS = kBlockM * kBlockN * 2;   // one sdS
     static constexpr unsigned kK = 0, kV = kKV, kQs = 2 * kKV, kdOs = kQs + kStages * kQ, kdSs = kdOs + kStages * kQ;
     static constexpr unsigned kLse = kdSs + 2 * kDS, kD = kLse + kStages * kBlockM * 4;
-    static constexpr unsigned kBarriers = kD + kStages * kBlockM * 4;
+    // d = 64 (kDqOwnKeys): 2 buffers x 2 consumers x 2 warps x 32 lanes x 32 floats of handed-on dQ partials
+    static constexpr bool kDqOwnKeys = kBlockM * kHeadDim == 64 * 64;
+    static constexpr unsigned kDqX = kD + kStages * kBlockM * 4;
+    static constexpr unsigned kBarriers = kDqX + (kDqOwnKeys ? 2 * 2 * 2 * 32 * 32 * 4 : 0);
     static constexpr unsigned kBytes = 1024 + kBarriers + 8 * (1 + 4 * kStages);
 };
 
@@ -56,9 +66,12 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
     constexpr int kDqTiles = (kBlockM / 64) * (kHeadDim / 64);
     static_assert(kDqTiles == kConsumers || kDqTiles == 1, "dQ: a 64 x 64 tile per consumer, or one in all");
     constexpr bool kDqOwnKeys = kDqTiles == 1;
-    static_assert((kVariant & (kVarlen | kSeqused | kPaged | kDeterministic)) == 0, "dense, atomic dQ adds");
+    static_assert(!kDqOwnKeys || kConsumers == 2, "d = 64: the partials of two consumers, half the rows each");
+    static_assert((kVariant & (kVarlen | kSeqused | kPaged)) == 0, "dense batches: TMA boxes over whole arrays");
+    constexpr bool kIsDeterministic = (kVariant & kDeterministic) != 0;
     constexpr int kStages = 2;
     using Smem = Sm90BwdSmem<kHeadDim, kBlockM, kBlockN, kStages>;
+    static_assert(Smem::kDqOwnKeys == kDqOwnKeys, "Sm90BwdSmem's sDqX");
     constexpr int kNTilesQ = kBlockM / 8;   // 8-query column groups of S^T
     constexpr int kNTilesD = kHeadDim / 8;  // 8-dim column groups of dK, dV
     constexpr unsigned kSlabKV = kBlockN * 128, kSlabQ = kBlockM * 128;  // bytes of one 64-column slab
@@ -69,7 +82,11 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
     constexpr int kProducerRegs = 24, kConsumerRegs = 240;
     static_assert(kProducerRegs + kConsumers * kConsumerRegs <= (1 + kConsumers) * launch_regs(kNWarps * 32),
                   "setmaxnreg moves registers between warpgroups: no more than the launch gave them");
-    constexpr int kDsReady = 1, kStore = 2;  // named barriers: both consumers; then one per consumer
+    // Named barriers: kDsReady both consumers; kStore one per consumer; kDqReady (d = 64 or kDeterministic)
+    // the consumers, and the turn warp's arrival: the adds may start; kDqDone (kDeterministic) the consumers'
+    // adds into the last tile are fenced, for the turn warp
+    constexpr int kDsReady = 1, kStore = 2, kDqReady = 4, kDqDone = 5;
+    constexpr int kDqThreads = 128 * kConsumers + (kIsDeterministic ? 32 : 0);
 
     unsigned dyn_smem;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
@@ -82,6 +99,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
     auto sdO = [&](int s) { return base + Smem::kdOs + s * Smem::kQ; };
     float* const sLse = reinterpret_cast<float*>(base_ptr + Smem::kLse);  // [kStages][kBlockM]
     float* const sD = reinterpret_cast<float*>(base_ptr + Smem::kD);
+    float* const sDqX = reinterpret_cast<float*>(base_ptr + Smem::kDqX);
     const unsigned bars = base + Smem::kBarriers;
     const unsigned kv_full = bars;
     auto q_full = [&](int s) { return bars + 8u * (1 + s); };
@@ -90,7 +108,11 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
     auto do_empty = [&](int s) { return bars + 8u * (1 + 3 * kStages + s); };
 
     // [2] Block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
-    const int head_k = blockIdx.x, batch = blockIdx.y, n_block = blockIdx.z;
+    // kDeterministic: key blocks add into each dQ tile last to first, and launch in that order too, so that
+    // a block waits only on blocks launched before it (causal: a key block's first query block, the diagonal,
+    // is one where it comes first)
+    const int head_k = blockIdx.x, batch = blockIdx.y;
+    const int n_block = kIsDeterministic ? gridDim.z - 1 - blockIdx.z : blockIdx.z;
     const SeqInfo<false, false> seq(p.fwd, batch);
     const int key_begin = n_block * kBlockN;
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
@@ -166,6 +188,33 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
                 }
                 mbarrier_arrive(q_full(s));
             }
+        } else if (kIsDeterministic && warp == 2) {
+            // The turn warp: per pair, hand the previous dQ tile on once the consumers' adds into it are
+            // fenced, wait for this tile's turn (the key blocks after this one have added), let the adds start
+            int* pending = nullptr;
+            int pending_turn = 0;
+            auto hand_on = [&]() {
+                named_barrier_sync(kDqDone, kDqThreads);
+                if (lane == 0) store_release(pending, pending_turn + 1);
+            };
+#pragma unroll 1
+            for (int head = head_k * group; head < (head_k + 1) * group; ++head)
+#pragma unroll 1
+            for (int m_block = m_block_first; m_block < m_block_end; ++m_block) {
+                int n_first, n_end;
+                mask.template n_block_range<kBlockM, kBlockN>(m_block, n_first, n_end);
+                int* const semaphore = dq_semaphores(p, batch, head) + m_block;
+                const int turn = n_end - 1 - n_block;
+                if (pending != nullptr) hand_on();
+                if (lane == 0) {
+                    while (load_acquire(semaphore) != turn) {}
+                }
+                __syncwarp();
+                named_barrier_arrive(kDqReady, kDqThreads);
+                pending = semaphore;
+                pending_turn = turn;
+            }
+            if (pending != nullptr) hand_on();
         }
         return;
     }
@@ -292,7 +341,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
             Wgmma<T, kHeadDim>::rs(acc_dk, a_frag[kq], smem_desc(sQ(s) + kq * 16 * 128, kSlabQ, 1024));
         wgmma_commit();
 
-        // [9] dS into shared memory; dQ_accum += dS K (wgmma), fp32 atomic adds
+        // [9] dS into shared memory; dQ_accum += dS K (wgmma), fp32 atomic adds, in key-block order when deterministic
         // dS (queries x keys) into sdS, this consumer's 64 keys = slab `consumer` (transposed stores):
         // a_frag[kq][j] holds keys g + 8 (j & 1), queries 16 kq + 8 (j >> 1) + 2t (+1 in the high half)
         const unsigned ds_tile = sdS + (it & 1) * Smem::kDS;
@@ -329,16 +378,52 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
         fence_operands(acc_dv);
         mbarrier_arrive(q_empty(s));
         if (lane == 0) mbarrier_arrive(do_empty(s));
-        // acc_dq[nd][2h + e]: query row dq_row0 + 16 warp + g + 8h, dim dq_col0 + 8 nd + 2t + e
-        float* dq_rows = dq_accum_rows(p, seq, batch, head);
+        // The adds. d = 64: consumer c adds the rows of its warps 2c, 2c+1, their partials summed with the
+        // other consumer's (handed on through sDqX: a warp's 32 floats per lane, lane-contiguous)
+        bool adds = true;
+        float* x = nullptr;
+        if constexpr (kDqOwnKeys) {
+            adds = warp / 2 == consumer;
+            const int from = adds ? 1 - consumer : consumer;
+            x = sDqX + (((it & 1) * 2 + from) * 2 + warp % 2) * 32 * 32 + lane;
+            if (!adds) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = row_begin + dq_row0 + 16 * warp + g + 8 * h;
-            if (row >= seqlen_q) continue;
-            float* dst = dq_rows + row * p.dq_accum_row_stride + dq_col0 + 2 * t;
+                for (int nd = 0; nd < 8; ++nd)
 #pragma unroll
-            for (int nd = 0; nd < 8; ++nd)
-                if (dq_col0 + 8 * nd < p.fwd.head_dim) red_add2(dst + 8 * nd, acc_dq[nd][2 * h], acc_dq[nd][2 * h + 1]);
+                    for (int e = 0; e < 4; ++e) x[32 * (4 * nd + e)] = acc_dq[nd][e];
+            }
+        }
+        if constexpr (kIsDeterministic) {
+            if (it > 0) {
+                __threadfence();  // the last tile's adds land before the turn warp hands it on
+                named_barrier_arrive(kDqDone, kDqThreads);
+            }
+        }
+        if constexpr (kDqOwnKeys || kIsDeterministic) named_barrier_sync(kDqReady, kDqThreads);
+        if (adds) {
+            if constexpr (kDqOwnKeys) {
+#pragma unroll
+                for (int nd = 0; nd < 8; ++nd)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc_dq[nd][e] += x[32 * (4 * nd + e)];
+            }
+            // acc_dq[nd][2h + e]: query row dq_row0 + 16 warp + g + 8h, dim dq_col0 + 8 nd + 2t + e
+            float* dq_rows = dq_accum_rows(p, seq, batch, head);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = row_begin + dq_row0 + 16 * warp + g + 8 * h;
+                if (row >= seqlen_q) continue;
+                float* dst = dq_rows + row * p.dq_accum_row_stride + dq_col0 + 2 * t;
+#pragma unroll
+                for (int nd = 0; nd < 8; ++nd)
+                    if (dq_col0 + 8 * nd < p.fwd.head_dim) red_add2(dst + 8 * nd, acc_dq[nd][2 * h], acc_dq[nd][2 * h + 1]);
+            }
+        }
+    }
+    if constexpr (kIsDeterministic) {
+        if (n_it > 0) {
+            __threadfence();
+            named_barrier_arrive(kDqDone, kDqThreads);
         }
     }
 

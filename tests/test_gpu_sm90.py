@@ -133,13 +133,31 @@ def test_hopper_backward_is_the_default_where_it_serves(hopper):
         ws = cp.empty(_params.workspace_layout(q, None, kw.get("deterministic", False)).nbytes, cp.uint8)
         return cuda.backward_launches(q, q, k, v, o, lse, *grads, ws, causal=True, softmax_scale=d ** -0.5, **kw)
 
-    assert isinstance(launches(128), cuda.TmaLaunches)
-    for d, kw in ((256, {}), (128, {"deterministic": True}), (128, {"softcap": 30.0})):
+    assert isinstance(launches(128), cuda.TmaLaunches) and isinstance(launches(64, deterministic=True), cuda.TmaLaunches)
+    for d, kw in ((256, {}), (128, {"softcap": 30.0})):
         assert not isinstance(launches(d, **kw), cuda.TmaLaunches), (d, kw)
     with cuflash.kernel_family("mma"):
         assert not isinstance(launches(64), cuda.TmaLaunches)
     with cuflash.kernel_family("sm90"), pytest.raises(ValueError, match="sm90 kernel family cannot serve"):
-        launches(128, deterministic=True)
+        launches(128, softcap=30.0)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_deterministic_backward_is_bitwise_repeatable(hopper, d, causal):
+    """deterministic=True on the sm90 family: by the rule, and 50 calls bitwise identical. 6 key blocks add into
+    each dQ tile in turn (GQA: the blocks of a kv head visit both of its query heads' tiles); at d = 64 the two
+    consumers' partials of the one dQ tile are summed before the adds. (Windows: test_gpu_variants'
+    test_variant_deterministic, whose dense 16-bit cases run this family here.)"""
+    (q, k, v, do), (o, lse, *_) = _training_step(hopper, "bfloat16", causal, f"sm90-det-{d}-{causal}", 2, 517, 700,
+                                                 4, 2, d)
+    with cuflash.kernel_family("sm90"):
+        first = cuflash.flash_attn_backward(do, q, k, v, o, lse, causal=causal, deterministic=True)
+        hopper.check(f"deterministic d={d} causal={causal}", "bfloat16", causal, None, q, k, v, do, o, lse, *first)
+        for call in range(49):
+            again = cuflash.flash_attn_backward(do, q, k, v, o, lse, causal=causal, deterministic=True)
+            for name, x, y in zip(("dq", "dk", "dv"), first, again):
+                assert hopper.same_bits(x, y) == 0, f"{name} differs at call {call + 2}"
 
 
 def test_cached_backward_plan_readdresses_its_tensor_maps(hopper):

@@ -74,7 +74,7 @@ SM90_BWD_STEPS = [
     (6, "dV += P^T dO (wgmma, P^T from registers)"),
     (7, "dS^T = P^T (dP^T - D)"),
     (8, "dK += dS^T Q (wgmma, dS^T from registers)"),
-    (9, "dS into shared memory; dQ_accum += dS K (wgmma), fp32 atomic adds"),
+    (9, "dS into shared memory; dQ_accum += dS K (wgmma), fp32 atomic adds, in key-block order when deterministic"),
     BWD_STEPS[9],
 ]
 # kernels_cu/mask.cuh and cuflash/proto/mask.py: one step per rule of Mask and ScoreMod, in functions of
