@@ -1,5 +1,6 @@
 // What the tensor-core backward kernels (flash_bwd.cu, flash_bwd_sm90.cu) share: the LSE as exp2's offset,
-// and where the workspace (config.BackwardWorkspace) keeps the dQ accumulator and semaphores.
+// the order of a key block's pairs and the deterministic turns, and where the workspace
+// (config.BackwardWorkspace) keeps the dQ accumulator and semaphores.
 #pragma once
 #include "common.cuh"
 #include "params.cuh"
@@ -10,6 +11,28 @@ namespace cuflash {
 // +inf, so that P = exp2(finite or -inf - inf) = 0, never NaN.
 __device__ __forceinline__ float lse_to_log2_offset(float lse) {
     return lse == neg_inf<float>() ? -neg_inf<float>() : lse * 1.4426950408889634f;
+}
+
+// The (query head of the group, query block) pairs a key block visits, in order: pair `it` is query head
+// hq = it % group at the i-th query block (i = it / group) from the first, or (kDeterministic) from the last.
+// kDeterministic: the key blocks add into each dQ tile first to last (dq_turn). A block's i-th pair is then
+// a tile that every block before it in line visited at its i-th pair or earlier (masks end their query-block
+// ranges in key order), so a block lags the one before it by about a pair, and the grid keeps its
+// longest-first launch order.
+template <bool kDeterministic>
+__device__ __forceinline__ void backward_pair(int it, int head_k, int group, int m_block_first, int m_block_end,
+                                              int& head, int& m_block) {
+    head = head_k * group + it % group;
+    m_block = kDeterministic ? m_block_end - 1 - it / group : m_block_first + it / group;
+}
+
+// kDeterministic: key block n_block's turn at dQ tile m_block, the count of key blocks before it in the
+// tile's range (they add first; the tile's semaphore counts those that have)
+template <int kBlockM, int kBlockN, class MaskT>
+__device__ __forceinline__ int dq_turn(const MaskT& mask, int m_block, int n_block) {
+    int n_first, n_end;
+    mask.template n_block_range<kBlockM, kBlockN>(m_block, n_first, n_end);
+    return n_block - n_first;
 }
 
 // The dQ accumulator's rows of (entry, head) and the entry's dQ semaphores of that head (workspace offsets

@@ -5,8 +5,9 @@
 // and loops over the group's query heads and their query blocks, recomputing S and P = exp2(S * scale_log2
 // - LSE * log2(e)) from Q, K and the forward's LSE once, accumulating dK and dV in fp32 registers, and
 // adding dQ's share dS K into an fp32 dQ accumulator in global memory (the workspace, config.BackwardWorkspace):
-// atomic adds as they come, or (kDeterministic) in a fixed order of key blocks (last to first), each dQ
-// tile's turn kept by a semaphore, so that repeated calls are bitwise identical. Preprocess zeroes the accumulator and the
+// atomic adds as they come, or (kDeterministic) in a fixed order of key blocks (first to last,
+// backward.cuh's backward_pair and dq_turn), each dQ tile's turn kept by a semaphore, so that repeated calls
+// are bitwise identical. Preprocess zeroes the accumulator and the
 // semaphores; postprocess converts dQ_accum * softmax_scale to the input dtype. A row with LSE = -inf (it
 // saw no key) takes the offset +inf so that its P is exactly 0, never NaN.
 //
@@ -69,7 +70,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_preprocess(const __gri
 
 // dK, dV and dQ's share of one key block of kBlockN keys. Grid (nheads_k, batch, ceil(seqlen_k / kBlockN)):
 // key blocks slowest, so that the blocks resident at once are the first key blocks of every head (causal:
-// the longest first; kDeterministic: the last first, see n_block).
+// the longest first).
 //
 // Warps form a kWN x kWM grid: kWN = kBlockN / 16 warps along the keys (16 key rows each) and kWM warps
 // sharing those rows. S, P, dP, dS, dK and dV are computed transposed so that keys are the mma's M dimension:
@@ -143,11 +144,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
     float* sD = sLse + kStages * kBlockM;
 
     // [2] Block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
-    // kDeterministic: key blocks add into each dQ tile last to first, and launch in that order too, so that
-    // a block waits only on blocks launched before it; causal: a key block's first query block is then
-    // the one where it comes first (the diagonal), so it starts without waiting
-    const int head_k = blockIdx.x, batch = blockIdx.y;
-    const int n_block = kIsDeterministic ? gridDim.z - 1 - blockIdx.z : blockIdx.z;
+    const int head_k = blockIdx.x, batch = blockIdx.y, n_block = blockIdx.z;
     const SeqInfo<(kVariant & kVarlen) != 0> seq(p.fwd, batch);
     const int key_begin = n_block * kBlockN;
     if (key_begin >= seq.seqlen_k) return;  // varlen: a shorter sequence than the grid's
@@ -197,11 +194,16 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
     int* pending = nullptr;  // kDeterministic: the semaphore of the last dQ tile added into, and its turn
     int pending_turn = 0;
 
-    // The (query head, query block) pairs this key block visits, in order: it = hq * n_m + (m_block - first).
-    // With two buffers, pair it + 1's Q, dO tiles and LSE, D rows load into one while pair it is computed.
+    // The (query head, query block) pairs this key block visits, in backward_pair's order. With two buffers,
+    // pair it + 1's Q, dO tiles and LSE, D rows load into one while pair it is computed.
     const int n_m = max(m_block_end - m_block_first, 0), n_it = group * n_m;
+    auto pair = [&](int it, int& head, int& m_block) {
+        backward_pair<kIsDeterministic>(it, head_k, group, m_block_first, m_block_end, head, m_block);
+    };
     auto load_block = [&](int it, int buf) {
-        const int head = head_k * group + it / n_m, row_begin = (m_block_first + it % n_m) * kBlockM;
+        int head, m_block;
+        pair(it, head, m_block);
+        const int row_begin = m_block * kBlockM;
         const int tid_m = recompute(tid);  // copy offsets and predicates per query block, not loop-carried
         // [3] Load the Q, dO tiles and LSE, D rows of one query block
         const T* q = static_cast<const T*>(p.fwd.q) + seq.q_offset(batch, p.fwd.q_batch_stride, p.fwd.q_row_stride) +
@@ -238,21 +240,20 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
             cp_async_wait<0>();
         }
         __syncthreads();
-        const int head = head_k * group + it / n_m, m_block = m_block_first + it % n_m;
+        int head, m_block;
+        pair(it, head, m_block);
         const int row_begin = m_block * kBlockM;
         const Mod mod(p.fwd, batch, head, mask.shift);
         const float scale_log2 = mod.score_log2(p.fwd);
         const unsigned qo_buf = buf * kBlockM * kPitch * sizeof(T);  // bytes: this pair's Q, dO buffer
         const float* lse_rows = sLse + buf * kBlockM;
         const float* d_rows = sD + buf * kBlockM;
-        // kDeterministic: this key block's turn at the dQ tile (the key blocks after it add first); the
-        // semaphore is read now, its value waited for before the adds, so the read's latency is hidden
+        // kDeterministic: this key block's turn at the dQ tile; the semaphore is read now, its value waited for
+        // before the adds, so the read's latency is hidden
         int turn = 0, seen = 0;
         int* semaphore = nullptr;
         if constexpr (kIsDeterministic) {
-            int n_first, n_end;
-            mask.template n_block_range<kBlockM, kBlockN>(m_block, n_first, n_end);
-            turn = n_end - 1 - n_block;
+            turn = dq_turn<kBlockM, kBlockN>(mask, m_block, n_block);
             semaphore = dq_semaphores(p, batch, head) + m_block;
             if (tid == 0) seen = load_acquire(semaphore);
         }
@@ -374,14 +375,12 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
                 acc_dp[ni][e] = ds;
             }
         acc_to_smem<T, kNTilesQ, kPPitch>(sdS, acc_dp, key_row0, q_col0, lane, 1.f);
-        // kDeterministic: hand the previous tile on (an iteration late, so that the fence rarely waits for
-        // adds still in flight), then wait for this tile's turn
+        // kDeterministic: hand the previous tile on, then wait for this tile's turn. The release is cumulative:
+        // every thread's adds, ordered before it by the barriers since, are visible to whoever acquires the
+        // new count (as CUTLASS's semaphore: no fence in the adding threads). An iteration late, so that the
+        // release rarely waits for adds in flight.
         if constexpr (kIsDeterministic) {
-            if (pending != nullptr) {
-                __threadfence();  // this thread's adds into the previous tile land before its next turn
-                __syncthreads();
-                if (tid == 0) store_release(pending, pending_turn + 1);
-            }
+            if (pending != nullptr && tid == 0) store_release(pending, pending_turn + 1);
             pending = semaphore;
             pending_turn = turn;
             if (tid == 0) {
@@ -455,11 +454,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
         }
         __syncthreads();  // every warp is done with this buffer and sP, sdS before they are written again
     }
-    if (kIsDeterministic && pending != nullptr) {
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) store_release(pending, pending_turn + 1);
-    }
+    if (kIsDeterministic && pending != nullptr && tid == 0) store_release(pending, pending_turn + 1);
 
     // [10] Store dK * softmax_scale and dV
     cp_async_wait<0>();  // K, V copies may still be in flight when no query block was visited

@@ -15,16 +15,17 @@
 //     share is its own tile over all the block's keys; at d = 64 (kDqOwnKeys) there is one tile, each consumer
 //     computes it over its own keys, and the two partials are summed through shared memory (sDqX) before
 //     the adds, each consumer adding half of the rows.
-//   kDeterministic: the adds into each dQ tile come in a fixed order of key blocks (last to first, the launch
-//     order too), each tile's turn kept by a semaphore (backward.cuh) that producer warp 2, the turn warp,
-//     waits for and hands on, so that the consumers only meet it at a named barrier.
+//   kDeterministic: the adds into each dQ tile come in a fixed order of key blocks (first to last, the launch
+//     order; query blocks visited last to first), each tile's turn kept by a semaphore (backward.cuh) that
+//     producer warp 2, the turn warp, waits for and hands on, so that the consumers only meet it at named
+//     barriers.
 // Accumulators are in the mma.sync C layout per warp (wgmma.cuh), so masks, score modifiers and dropout are
 // flash_bwd's (for_each_score_t, for_each_keep_t).
 //
 // Shared memory (sm90.cuh: 128-byte swizzle, [head_dim / 64 slabs][rows][64], 1024-byte aligned), Sm90BwdSmem:
 //   sK, sV [kBlockN rows]; kStages x sQ, kStages x sdO [kBlockM rows]; two sdS [kBlockN / 64 slabs][kBlockM]
 //   [64 keys] (one written while the other may still be read); kStages x LSE offsets and D [kBlockM floats];
-//   d = 64: two sDqX (the same reason) [from consumer][warp % 2][32 floats][32 lanes];
+//   d = 64: two sDqX (the same reason) [from consumer][warp % 2][32 floats][32 lanes]; exp2's scale (a float);
 //   mbarriers kv_full, q_full[kStages], do_full[kStages], q_empty[kStages], do_empty[kStages]. config.smem_bytes
 //   mirrors it.
 //
@@ -51,7 +52,8 @@ struct Sm90BwdSmem {  // byte offsets from the 1024-aligned base
     // d = 64 (kDqOwnKeys): 2 buffers x 2 consumers x 2 warps x 32 lanes x 32 floats of handed-on dQ partials
     static constexpr bool kDqOwnKeys = kBlockM * kHeadDim == 64 * 64;
     static constexpr unsigned kDqX = kD + kStages * kBlockM * 4;
-    static constexpr unsigned kBarriers = kDqX + (kDqOwnKeys ? 2 * 2 * 2 * 32 * 32 * 4 : 0);
+    static constexpr unsigned kScale = kDqX + (kDqOwnKeys ? 2 * 2 * 2 * 32 * 32 * 4 : 0);
+    static constexpr unsigned kBarriers = kScale + 8;
     static constexpr unsigned kBytes = 1024 + kBarriers + 8 * (1 + 4 * kStages);
 };
 
@@ -83,8 +85,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
     static_assert(kProducerRegs + kConsumers * kConsumerRegs <= (1 + kConsumers) * launch_regs(kNWarps * 32),
                   "setmaxnreg moves registers between warpgroups: no more than the launch gave them");
     // Named barriers: kDsReady both consumers; kStore one per consumer; kDqReady (d = 64 or kDeterministic)
-    // the consumers, and the turn warp's arrival: the adds may start; kDqDone (kDeterministic) the consumers'
-    // adds into the last tile are fenced, for the turn warp
+    // the consumers, and the turn warp's arrival: the adds may start; kDqDone (kDeterministic) the consumers
+    // have issued their adds, for the turn warp
     constexpr int kDsReady = 1, kStore = 2, kDqReady = 4, kDqDone = 5;
     constexpr int kDqThreads = 128 * kConsumers + (kIsDeterministic ? 32 : 0);
 
@@ -100,6 +102,9 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
     float* const sLse = reinterpret_cast<float*>(base_ptr + Smem::kLse);  // [kStages][kBlockM]
     float* const sD = reinterpret_cast<float*>(base_ptr + Smem::kD);
     float* const sDqX = reinterpret_cast<float*>(base_ptr + Smem::kDqX);
+    // exp2's scale, converted from the params' double once: in the loop ptxas rematerialized the conversion
+    // (an fp64 compare and convert per pair, 5 % of the consumers' stall samples at d = 128)
+    float* const sScaleLog2 = reinterpret_cast<float*>(base_ptr + Smem::kScale);
     const unsigned bars = base + Smem::kBarriers;
     const unsigned kv_full = bars;
     auto q_full = [&](int s) { return bars + 8u * (1 + s); };
@@ -108,11 +113,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
     auto do_empty = [&](int s) { return bars + 8u * (1 + 3 * kStages + s); };
 
     // [2] Block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
-    // kDeterministic: key blocks add into each dQ tile last to first, and launch in that order too, so that
-    // a block waits only on blocks launched before it (causal: a key block's first query block, the diagonal,
-    // is one where it comes first)
-    const int head_k = blockIdx.x, batch = blockIdx.y;
-    const int n_block = kIsDeterministic ? gridDim.z - 1 - blockIdx.z : blockIdx.z;
+    const int head_k = blockIdx.x, batch = blockIdx.y, n_block = blockIdx.z;
     const SeqInfo<false, false> seq(p.fwd, batch);
     const int key_begin = n_block * kBlockN;
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
@@ -120,8 +121,11 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
     const Mask<kVariant> mask(p.fwd, seqlen_q, seqlen_k);
     int m_block_first, m_block_end;
     mask.template m_block_range<kBlockM, kBlockN>(n_block, m_block_first, m_block_end);
-    // The (query head, query block) pairs, in order: it = hq * n_m + (m_block - first)
+    // The (query head, query block) pairs, in backward_pair's order
     const int n_m = max(m_block_end - m_block_first, 0), n_it = group * n_m;
+    auto pair = [&](int it, int& head, int& m_block) {
+        backward_pair<kIsDeterministic>(it, head_k, group, m_block_first, m_block_end, head, m_block);
+    };
     const int warpgroup = threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
@@ -134,6 +138,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
             mbarrier_init(do_empty(s), 4 * kConsumers);   // lane 0 of every consumer warp (dO: wgmma's reads)
         }
         fence_barrier_init();
+        *sScaleLog2 = Mod(p.fwd, batch, head_k * group, mask.shift).score_log2(p.fwd);  // the same for every head
     }
     __syncthreads();
 
@@ -148,11 +153,10 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
                 tma_load_4d(sK + slab * kSlabKV, &params.tma_k, kv_full, 64 * slab, key_begin, head_k, batch);
                 tma_load_4d(sV + slab * kSlabKV, &params.tma_v, kv_full, 64 * slab, key_begin, head_k, batch);
             }
-            int it = 0;
 #pragma unroll 1
-            for (int head = head_k * group; head < (head_k + 1) * group; ++head)
-#pragma unroll 1
-            for (int m_block = m_block_first; m_block < m_block_end; ++m_block, ++it) {
+            for (int it = 0; it < n_it; ++it) {
+                int head, m_block;
+                pair(it, head, m_block);
                 const int s = it % kStages, use = it / kStages, row_begin = m_block * kBlockM;
                 // each tile waits until the consumers are done with the stage's last use of it
                 if (use > 0) mbarrier_wait(q_empty(s), (use - 1) & 1);
@@ -169,11 +173,10 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
         } else if (warp == 1) {
             // LSE as exp2's offset (lse_to_log2_offset: +inf for a row that saw no key, so its P is 0) and D;
             // rows past seqlen_q take offset +inf (P = 0) and D 0: they add nothing, whatever their Q and dO hold
-            int it = 0;
 #pragma unroll 1
-            for (int head = head_k * group; head < (head_k + 1) * group; ++head)
-#pragma unroll 1
-            for (int m_block = m_block_first; m_block < m_block_end; ++m_block, ++it) {
+            for (int it = 0; it < n_it; ++it) {
+                int head, m_block;
+                pair(it, head, m_block);
                 const int s = it % kStages, use = it / kStages, row_begin = m_block * kBlockM;
                 const float* lse = static_cast<const float*>(p.fwd.lse) +
                                    seq.row_offset(batch, head, p.fwd.lse_batch_stride, p.fwd.lse_head_stride);
@@ -189,32 +192,24 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
                 mbarrier_arrive(q_full(s));
             }
         } else if (kIsDeterministic && warp == 2) {
-            // The turn warp: per pair, hand the previous dQ tile on once the consumers' adds into it are
-            // fenced, wait for this tile's turn (the key blocks after this one have added), let the adds start
-            int* pending = nullptr;
-            int pending_turn = 0;
-            auto hand_on = [&]() {
-                named_barrier_sync(kDqDone, kDqThreads);
-                if (lane == 0) store_release(pending, pending_turn + 1);
-            };
+            // The turn warp: per pair, wait for the dQ tile's turn (the key blocks before this one have added),
+            // let the consumers add, and once they have issued their adds hand the tile on. The release is
+            // cumulative: the consumers' adds, ordered before it by the barrier, are visible to whoever
+            // acquires the new count (as CUTLASS's semaphore: no fence in the adding threads)
 #pragma unroll 1
-            for (int head = head_k * group; head < (head_k + 1) * group; ++head)
-#pragma unroll 1
-            for (int m_block = m_block_first; m_block < m_block_end; ++m_block) {
-                int n_first, n_end;
-                mask.template n_block_range<kBlockM, kBlockN>(m_block, n_first, n_end);
+            for (int it = 0; it < n_it; ++it) {
+                int head, m_block;
+                pair(it, head, m_block);
                 int* const semaphore = dq_semaphores(p, batch, head) + m_block;
-                const int turn = n_end - 1 - n_block;
-                if (pending != nullptr) hand_on();
+                const int turn = dq_turn<kBlockM, kBlockN>(mask, m_block, n_block);
                 if (lane == 0) {
                     while (load_acquire(semaphore) != turn) {}
                 }
                 __syncwarp();
                 named_barrier_arrive(kDqReady, kDqThreads);
-                pending = semaphore;
-                pending_turn = turn;
+                named_barrier_sync(kDqDone, kDqThreads);
+                if (lane == 0) store_release(semaphore, turn + 1);
             }
-            if (pending != nullptr) hand_on();
         }
         return;
     }
@@ -242,10 +237,11 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
     for (int it = 0; it < n_it; ++it) {
         const int s = it % kStages;
         const unsigned phase = (it / kStages) & 1;
-        const int head = head_k * group + it / n_m, m_block = m_block_first + it % n_m;
+        int head, m_block;
+        pair(it, head, m_block);
         const int row_begin = m_block * kBlockM;
         const Mod mod(p.fwd, batch, head, mask.shift);
-        const float scale_log2 = mod.score_log2(p.fwd);
+        const float scale_log2 = *sScaleLog2;
 
         // [4] S^T = K Q^T and dP^T = V dO^T (wgmma from shared memory)
         // acc_s[ni][2h + e]: key key_row0 + g + 8h, query 8 ni + 2t + e (for_each_score_t's layout)
@@ -333,13 +329,9 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
             }
 
         // [8] dK += dS^T Q (wgmma, dS^T from registers)
+        // Its wgmma is issued in [9], behind dQ's, so that it runs under dQ's adds
 #pragma unroll
         for (int kq = 0; kq < kBlockM / 16; ++kq) acc_to_a<T>(a_frag[kq], acc_dp[2 * kq], acc_dp[2 * kq + 1]);
-        wgmma_fence();
-#pragma unroll
-        for (int kq = 0; kq < kBlockM / 16; ++kq)
-            Wgmma<T, kHeadDim>::rs(acc_dk, a_frag[kq], smem_desc(sQ(s) + kq * 16 * 128, kSlabQ, 1024));
-        wgmma_commit();
 
         // [9] dS into shared memory; dQ_accum += dS K (wgmma), fp32 atomic adds, in key-block order when deterministic
         // dS (queries x keys) into sdS, this consumer's 64 keys = slab `consumer` (transposed stores):
@@ -362,7 +354,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
             named_barrier_sync(kDsReady, 128 * kConsumers);  // every consumer's keys are in
         }
 
-        // this consumer's 64 x 64 tile of dS K (K N-major), then its adds
+        // this consumer's 64 x 64 tile of dS K (K N-major), dK's products ([8]), then the adds
         float acc_dq[8][4];
         wgmma_fence();
 #pragma unroll
@@ -372,11 +364,13 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
                                smem_desc(sK + (dq_col0 / 64) * kSlabKV + key * 128, kSlabKV, 1024), ks > 0);
         }
         wgmma_commit();
-        wgmma_wait<0>();  // dV, dK and dQ have completed: the stage's Q and dO go back to the producer
+#pragma unroll
+        for (int kq = 0; kq < kBlockM / 16; ++kq)
+            Wgmma<T, kHeadDim>::rs(acc_dk, a_frag[kq], smem_desc(sQ(s) + kq * 16 * 128, kSlabQ, 1024));
+        wgmma_commit();
+        wgmma_wait<1>();  // dV and dQ have completed (dK may still run): the stage's dO goes back to the producer
         fence_operands(acc_dq);
-        fence_operands(acc_dk);
         fence_operands(acc_dv);
-        mbarrier_arrive(q_empty(s));
         if (lane == 0) mbarrier_arrive(do_empty(s));
         // The adds. d = 64: consumer c adds the rows of its warps 2c, 2c+1, their partials summed with the
         // other consumer's (handed on through sDqX: a warp's 32 floats per lane, lane-contiguous)
@@ -391,12 +385,6 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
                 for (int nd = 0; nd < 8; ++nd)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) x[32 * (4 * nd + e)] = acc_dq[nd][e];
-            }
-        }
-        if constexpr (kIsDeterministic) {
-            if (it > 0) {
-                __threadfence();  // the last tile's adds land before the turn warp hands it on
-                named_barrier_arrive(kDqDone, kDqThreads);
             }
         }
         if constexpr (kDqOwnKeys || kIsDeterministic) named_barrier_sync(kDqReady, kDqThreads);
@@ -419,12 +407,10 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
                     if (dq_col0 + 8 * nd < p.fwd.head_dim) red_add2(dst + 8 * nd, acc_dq[nd][2 * h], acc_dq[nd][2 * h + 1]);
             }
         }
-    }
-    if constexpr (kIsDeterministic) {
-        if (n_it > 0) {
-            __threadfence();
-            named_barrier_arrive(kDqDone, kDqThreads);
-        }
+        if constexpr (kIsDeterministic) named_barrier_arrive(kDqDone, kDqThreads);
+        wgmma_wait<0>();  // dK has completed: the stage's Q goes back to the producer
+        fence_operands(acc_dk);
+        mbarrier_arrive(q_empty(s));
     }
 
     // [10] Store dK * softmax_scale and dV

@@ -142,18 +142,20 @@ def test_hopper_backward_is_the_default_where_it_serves(hopper):
         launches(128, softcap=30.0)
 
 
+@pytest.mark.parametrize("family", ["sm90", "mma"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_deterministic_backward_is_bitwise_repeatable(hopper, d, causal):
-    """deterministic=True on the sm90 family: by the rule, and 50 calls bitwise identical. 6 key blocks add into
-    each dQ tile in turn (GQA: the blocks of a kv head visit both of its query heads' tiles); at d = 64 the two
-    consumers' partials of the one dQ tile are summed before the adds. (Windows: test_gpu_variants'
-    test_variant_deterministic, whose dense 16-bit cases run this family here.)"""
+def test_deterministic_backward_is_bitwise_repeatable(hopper, family, d, causal):
+    """deterministic=True, both families: by the rule, and 50 calls bitwise identical. 6 key blocks add into each
+    dQ tile in turn (GQA: the blocks of a kv head visit both of its query heads' tiles); sm90 at d = 64 sums the
+    two consumers' partials of the one dQ tile before the adds. (Windows: test_gpu_variants'
+    test_variant_deterministic, whose dense 16-bit cases run the sm90 family here.)"""
     (q, k, v, do), (o, lse, *_) = _training_step(hopper, "bfloat16", causal, f"sm90-det-{d}-{causal}", 2, 517, 700,
                                                  4, 2, d)
-    with cuflash.kernel_family("sm90"):
+    with cuflash.kernel_family(family):
         first = cuflash.flash_attn_backward(do, q, k, v, o, lse, causal=causal, deterministic=True)
-        hopper.check(f"deterministic d={d} causal={causal}", "bfloat16", causal, None, q, k, v, do, o, lse, *first)
+        hopper.check(f"{family} deterministic d={d} causal={causal}", "bfloat16", causal, None, q, k, v, do, o, lse,
+                     *first)
         for call in range(49):
             again = cuflash.flash_attn_backward(do, q, k, v, o, lse, causal=causal, deterministic=True)
             for name, x, y in zip(("dq", "dk", "dv"), first, again):
