@@ -91,25 +91,34 @@ SM90_CASES = {
 
 # proto/flash_bwd_sm90.py (between flash_bwd.py's preprocess and postprocess), backward only: name -> (batch,
 # seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, dtype, (cfg head_dim, block_m, block_n, warps),
-# variants). The smallest tiles the kernel's roles allow: 64 keys per consumer (block_n = 64 * consumers, warps
-# = 4 * (1 + consumers)), block_m = 64; 256 or 384 threads, a few seconds per (query head, query block) pair.
-# dQ's 64 x 64 tiles: one in all (each consumer its own keys' share) except at cfg head dim 128 with two
-# consumers (a tile each, over all keys). O and LSE from the NumPy backend; plain cases against
-# cuflash.reference, those with variants against the NumPy backend.
+# variants). The smallest tiles the kernel's roles allow: two consumers of 64 keys (block_n = 128, warps = 12),
+# block_m = 64; 384 threads, a few seconds per (query head, query block) pair. dQ's 64 x 64 tiles: at cfg head
+# dim 64 one in all (each consumer's partial over its own keys, summed through sDqX, each consumer adding half
+# the rows), at 128 a tile each, over all keys. O and LSE from the NumPy backend; plain cases against
+# cuflash.reference, those with variants against the NumPy backend. "deterministic": True (not a backend
+# variant: _sm90_backward takes it) sets DETERMINISTIC, the turn warp's order of adds.
 SM90_BWD_CASES = {
     # 2 query heads x 2 query blocks: each stage of the ring is used twice (the producer waits on q_empty,
     # do_empty); rows 0 .. 39 see no key
-    "sm90_bwd_f32_causal_sq_gt_sk_empty_rows_gqa_ring": (1, 100, 60, 2, 1, 64, True, "float32", (64, 64, 64, 8),
+    "sm90_bwd_f32_causal_sq_gt_sk_empty_rows_gqa_ring": (1, 100, 60, 2, 1, 64, True, "float32", (64, 64, 128, 12),
                                                          {}),
-    "sm90_bwd_f16_d40_causal_sq_lt_sk": (1, 50, 110, 1, 1, 40, True, "float16", (64, 64, 64, 8), {}),
+    "sm90_bwd_f16_d40_causal_sq_lt_sk": (1, 50, 110, 1, 1, 40, True, "float16", (64, 64, 128, 12), {}),
     "sm90_bwd_f32_d96_two_consumers_dq_tiles": (1, 60, 100, 1, 1, 96, False, "float32", (128, 64, 128, 12), {}),
-    "sm90_bwd_f32_seqlen_k_zero": (1, 9, 0, 2, 1, 64, False, "float32", (64, 64, 64, 8), {}),
+    "sm90_bwd_f32_seqlen_k_zero": (1, 9, 0, 2, 1, 64, False, "float32", (64, 64, 128, 12), {}),
+    # 2 key blocks: query block 0 visited by key block 0 only, query block 1 by both (2 turns), per query head
+    "sm90_bwd_f32_deterministic_causal_gqa_dq_own_keys": (1, 100, 160, 2, 1, 64, True, "float32", (64, 64, 128, 12),
+                                                          {"deterministic": True}),
+    "sm90_bwd_f32_d128_deterministic_two_consumers": (1, 70, 200, 1, 1, 128, False, "float32", (128, 64, 128, 12),
+                                                      {"deterministic": True}),
     # two consumers adding their keys' shares into the one dQ tile; key block 0 is outside every row's window
     # (no pairs: dK = dV = 0)
     "sm90_bwd_f16_window_softcap_alibi_dropout": (1, 40, 200, 1, 1, 64, True, "float16", (64, 64, 128, 12),
                                                   {"window": (20, -1), "softcap": 2.0, "alibi": (1,),
                                                    "dropout_p": 0.25, "seed": 0x1234567, "offset": 2}),
 }
+
+# run twice: the deterministic dq bitwise the same
+SM90_BWD_RERUN = "sm90_bwd_f32_d128_deterministic_two_consumers"
 
 OUTPUTS = ("o", "lse", "dq", "dk", "dv")
 BWD_KERNELS = ("flash_bwd_preprocess", "flash_bwd", "flash_bwd_postprocess")
@@ -230,9 +239,26 @@ def _sm90_variant_case(case):
 
 
 def _sm90_bwd_variant_case(case):
-    """A SM90_BWD_CASES entry as a VARIANT_CASES one (dense), for _variant_inputs and _numpy_backend."""
+    """A SM90_BWD_CASES entry as a VARIANT_CASES one (dense, without "deterministic"), for _variant_inputs and
+    _numpy_backend."""
     b, sq, sk, h, hk, d, causal, dt, tile, variants = case
+    variants = {key: x for key, x in variants.items() if key != "deterministic"}
     return b, sq, sk, h, hk, d, causal, dt, tile, variants, None
+
+
+def _sm90_bwd_turns(case):
+    """The semaphores a deterministic SM90_BWD_CASES entry leaves: [b, h, m] = the key blocks that visit query
+    block m (each hands the turn on once), from the mask itself; (b, h, ceil(seqlen_q / SEMAPHORE_ROWS))."""
+    from cuflash.config import SEMAPHORE_ROWS
+
+    b, sq, sk, h, _, _, causal, _, (_, bm, bn, _), variants = case
+    assert not set(variants) - {"deterministic"}, "causal or not: no window here"
+    rows, cols = np.arange(sq)[:, None], np.arange(sk)[None, :]
+    vis = cols <= rows + sk - sq if causal else np.ones((sq, sk), bool)
+    turns = np.zeros((b, h, -(-sq // SEMAPHORE_ROWS)), np.int32)
+    for m in range(-(-sq // bm)):
+        turns[:, :, m] = sum(bool(vis[m * bm:(m + 1) * bm, n * bn:(n + 1) * bn].any()) for n in range(-(-sk // bn)))
+    return turns
 
 
 def _sm90_forward(q, k, v, *, causal, softmax_scale, cfg, stages=None, **variants):
@@ -256,14 +282,15 @@ def _sm90_forward(q, k, v, *, causal, softmax_scale, cfg, stages=None, **variant
     return nb._finish(None, o, q.dtype), lse
 
 
-def _sm90_backward(do, q, k, v, o, lse, *, causal, softmax_scale, cfg, **variants):
-    """(dq, dk, dv) of proto/flash_bwd_sm90.py between flash_bwd.py's preprocess and postprocess, launched as
-    the Numba backend's _backward launches flash_bwd (dense), with the same arguments. The preprocess and
-    postprocess take 16-row blocks of one warp (they take no head dim)."""
+def _sm90_backward(do, q, k, v, o, lse, *, causal, softmax_scale, cfg, deterministic=False, **variants):
+    """(dq, dk, dv, semaphore) of proto/flash_bwd_sm90.py between flash_bwd.py's preprocess and postprocess,
+    launched as the Numba backend's _backward launches flash_bwd (dense), with the same arguments. The
+    preprocess and postprocess take 16-row blocks of one warp (they take no head dim). deterministic sets
+    DETERMINISTIC on cfg."""
     import dataclasses
 
     from cuflash.backends import numba as nb
-    from cuflash.config import dtype_name
+    from cuflash.config import DETERMINISTIC, SEMAPHORE_ROWS, dtype_name
     from cuflash.proto.flash_bwd import make_flash_bwd_postprocess, make_flash_bwd_preprocess
     from cuflash.proto.flash_bwd_sm90 import make_flash_bwd_sm90
 
@@ -276,7 +303,10 @@ def _sm90_backward(do, q, k, v, o, lse, *, causal, softmax_scale, cfg, **variant
     dq, dk, dv = (np.empty(x.shape, work) for x in (q, k, v))
     dsum = np.empty((b, h, sq), acc)
     dq_accum = np.empty((b, h, sq, d), acc)
-    semaphore = np.zeros((b, h, 1), np.int32)
+    if deterministic:
+        cfg = dataclasses.replace(cfg, variant=cfg.variant | DETERMINISTIC)
+    # one per SEMAPHORE_ROWS query rows, as config.BackwardWorkspace's; not zeroed here: the preprocess does
+    semaphore = np.full((b, h, -(-sq // SEMAPHORE_ROWS)), -1, np.int32)
     pre, post = (dataclasses.replace(cfg, kernel=kn, block_m=16, block_n=16, warps=1)
                  for kn in ("flash_bwd_preprocess", "flash_bwd_postprocess"))
     var = nb._variant_args(launcher, np, dt, h, causal, **variants)
@@ -287,7 +317,7 @@ def _sm90_backward(do, q, k, v, o, lse, *, causal, softmax_scale, cfg, **variant
     launcher.launch(make_flash_bwd_sm90, cfg, (hk, b, -(-k.shape[1] // cfg.block_n)), q_, k_, v_, do_, lse_, dsum,
                     dk, dv, dq_accum, semaphore, scale, scale_log2, *var)
     launcher.launch(make_flash_bwd_postprocess, post, (-(-sq // 16), h, b), dq_accum, dq, scale, var[0], var[1])
-    return tuple(nb._finish(None, x, q.dtype) for x in (dq, dk, dv))
+    return (*(nb._finish(None, x, q.dtype) for x in (dq, dk, dv)), semaphore)
 
 
 def _sm90_refusals() -> list[str]:
@@ -321,14 +351,18 @@ def _sm90_bwd_refusals() -> list[str]:
     from cuflash.proto.flash_bwd_sm90 import make_flash_bwd_sm90
 
     fails = []
-    bad = [KernelConfig("flash_bwd_sm90", "float16", 64, 64, 128, 12, bits)
-           for bits in (VARLEN, SEQUSED, PAGED, DETERMINISTIC)]
+    try:  # served now: the turn warp
+        make_flash_bwd_sm90(KernelConfig("flash_bwd_sm90", "float16", 64, 64, 128, 12, DETERMINISTIC))
+    except ValueError as e:
+        fails.append(f"deterministic refused: {e}")
+    bad = [KernelConfig("flash_bwd_sm90", "float16", 64, 64, 128, 12, bits) for bits in (VARLEN, SEQUSED, PAGED)]
     bad += [KernelConfig("flash_bwd", "float16", 64, 64, 128, 12, 0),  # another kernel
             KernelConfig("flash_bwd_sm90", "float16", 64, 64, 96, 12, 0),  # block_n not whole warpgroups
             KernelConfig("flash_bwd_sm90", "float16", 64, 64, 128, 8, 0),  # one warpgroup short
             KernelConfig("flash_bwd_sm90", "float16", 64, 96, 128, 12, 0),  # block_m not whole slabs
             KernelConfig("flash_bwd_sm90", "float16", 96, 64, 128, 12, 0),  # head_dim not whole slabs
-            KernelConfig("flash_bwd_sm90", "float16", 128, 128, 128, 12, 0)]  # 4 dQ tiles for 2 consumers
+            KernelConfig("flash_bwd_sm90", "float16", 128, 128, 128, 12, 0),  # 4 dQ tiles for 2 consumers
+            KernelConfig("flash_bwd_sm90", "float16", 64, 64, 64, 8, 0)]  # one dQ tile, one consumer (no sDqX partner)
     for cfg in bad:
         try:
             make_flash_bwd_sm90(cfg)
@@ -423,9 +457,14 @@ def _sim_worker(out_path: str) -> None:
             scale = 1.0 / math.sqrt(d)
             o, lse = npb.forward(q, k, v, causal=causal, softmax_scale=scale, **kw)
             cfg = KernelConfig("flash_bwd_sm90", dt, cd, bm, bn, warps, _params.variant(causal, **kw))
-            grads = _sm90_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale, cfg=cfg, **kw)
-            for key, x in zip(("dq", "dk", "dv"), grads):
+            det = bool(case[9].get("deterministic"))
+            grads = _sm90_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale, cfg=cfg,
+                                   deterministic=det, **kw)
+            for key, x in zip(("dq", "dk", "dv", "semaphore"), grads):
                 arrays[f"{name}/{key}"] = x
+            if name == SM90_BWD_RERUN:
+                arrays[f"{name}/dq_rerun"] = _sm90_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale,
+                                                            cfg=cfg, deterministic=det, **kw)[0]
             failures[name] = ""
         except Exception:
             failures[name] = traceback.format_exc()
@@ -740,12 +779,15 @@ def test_sim_sm90_backward(sim, name):
     failure = str(sim[f"{name}/failure"])
     assert not failure, failure
     case = SM90_BWD_CASES[name]
-    b, sq, sk, h, hk, d, causal, dt, _, variants = case
+    b, sq, sk, h, hk, d, causal, dt, _, _ = case
+    variants = _sm90_bwd_variant_case(case)[9]
     seed = 300 + list(SM90_BWD_CASES).index(name)
     q, k, v, do, kw = _variant_inputs(seed, _sm90_bwd_variant_case(case))
     got = {key: sim[f"{name}/{key}"] for key in ("dq", "dk", "dv")}
     for key, x in zip(got, (q, k, v)):
         assert got[key].shape == x.shape and got[key].dtype == x.dtype, key
+    if not case[9].get("deterministic"):  # the preprocess zeroed them (from -1), the kernel never touched them
+        assert np.all(sim[f"{name}/semaphore"] == 0)
     if variants:
         _compare_with_numpy(sim, name, _numpy_backend(_sm90_bwd_variant_case(case), seed), dt,
                             keys=("dq", "dk", "dv"))
@@ -780,10 +822,25 @@ def test_sim_sm90_backward_dropout_and_empty_key_block(sim):
         assert np.all(sim[f"{name}/{key}"][:, :tile[2]].astype(np.float64) == 0), key
 
 
+@pytest.mark.parametrize("name", [n for n, case in SM90_BWD_CASES.items() if case[9].get("deterministic")])
+def test_sim_sm90_backward_deterministic_turns(sim, name):
+    """DETERMINISTIC: every key block that visits a dQ tile took its turn and handed it on once (the semaphores
+    end at the number of such key blocks, from the preprocess's zeros; a turn waited for but not yet given
+    raises in the simulator); a second run gives bitwise the same dq."""
+    failure = str(sim[f"{name}/failure"])
+    assert not failure, failure
+    turns = _sm90_bwd_turns(SM90_BWD_CASES[name])
+    assert turns.max() >= 2, "turns matter: some dQ tile takes adds from several key blocks"
+    got = sim[f"{name}/semaphore"]
+    assert got.shape == turns.shape and np.array_equal(got, turns), f"semaphores {got.tolist()} != {turns.tolist()}"
+    if name == SM90_BWD_RERUN:
+        assert np.array_equal(sim[f"{name}/dq_rerun"], sim[f"{name}/dq"])
+
+
 def test_sim_sm90_backward_refusals(sim):
-    """make_flash_bwd_sm90 raises ValueError for varlen, seqused, paged, deterministic, another kernel, a
-    block_n or warps that are not whole warpgroups, block_m or head_dim not whole 64-column slabs, and dQ
-    tiles neither one per consumer nor one in all."""
+    """make_flash_bwd_sm90 builds deterministic; raises ValueError for varlen, seqused, paged, another kernel, a
+    block_n or warps that are not whole warpgroups, block_m or head_dim not whole 64-column slabs, dQ tiles
+    neither one per consumer nor one in all, and one tile in all without two consumers to share it."""
     failure = str(sim["sm90_bwd_refusals/failure"])
     assert not failure, failure
 

@@ -10,15 +10,21 @@ and the accumulator type are closure constants. It runs between flash_bwd.py's p
     kernel[grid, block](q, k, v, do, lse, dsum, dk, dv, dq_accum, semaphore, softmax_scale, scale_log2,
                         *variant_args)
 
-Dense batches, not DETERMINISTIC, as the CUDA kernel (config.SM90_BWD_UNSERVED raises): cu_seqlens_q /
-cu_seqlens_k and semaphore are taken and never read.
+Dense batches, as the CUDA kernel (config.SM90_BWD_UNSERVED raises): cu_seqlens_q / cu_seqlens_k are taken and
+never read. semaphore: flash_bwd.py's, int32 (batch, nheads, ceil(seqlen_q / 64)) zeroed by the preprocess, read
+and written only when DETERMINISTIC.
 
 Roles, as in CUDA. Warpgroup 0 is the producer: thread 0 copies K and V once, then the Q and dO tiles of
 each (query head, query block) pair `it` into a ring of kStages = 2 stages, each tile waiting until the
 consumers have released the stage's previous use (q_empty, do_empty); warp 1 writes the pair's LSE offsets
 and D rows into the stage and arrives on q_full beside the Q tile. Warpgroup 1 + c is consumer c, owning keys
 64 c .. 64 c + 63: per pair S^T, dP^T, P^T, dV, dS^T, dK, its dS into sdS, then its 64 x 64 tile of dQ = dS K
-(kDqOwnKeys: the one tile, over its own keys only).
+and the adds into dq_accum. kDqOwnKeys (d = 64, block_m = 64, two consumers): the one tile, each consumer's over
+its own keys; consumer c adds rows 32 c .. 32 c + 31 (those of its warps 2 c, 2 c + 1), its partial plus the
+other consumer's handed on through sDqX, and hands its other rows' partial on likewise.
+DETERMINISTIC: key blocks launch last to first and add into each dQ tile in that order (turn = n_end - 1 -
+n_block, flash_bwd.py's protocol); producer warp 2, the turn warp, waits for each pair's turn and hands it on
+once the consumers' adds are fenced, so that the consumers only meet it at the named barriers kDqReady and kDqDone.
 
 What stands in for Hopper's machinery, as in proto/flash_fwd_sm90.py (the kernel's names are kept; stage is
 CUDA's s = it % kStages):
@@ -34,7 +40,8 @@ CUDA's s = it % kStages):
   wgmma        per-thread FMA loops marked `# CUDA: wgmma`, complete when they return.
   registers    the A operands CUDA keeps in registers (P^T for dV, dS^T for dK: a_frag) go through
                shared memory (sA), since a thread's partner holds the other half of its key's row.
-  named bars   CUDA's kDsReady (every consumer) and kStore + consumer (one warpgroup) are syncthreads.
+  named bars   CUDA's kDsReady (every consumer), kStore + consumer (one warpgroup), kDqReady and kDqDone (the
+               consumers and the turn warp) are syncthreads.
   setmaxnreg   no counterpart.
 Layout: a consumer's 128 threads hold its 64 keys two to a key (thread_layout(64, ., 128), proto/flash_fwd.py),
 each half of the key's queries (S^T, dP^T) and dims (dK, dV); the dQ tile likewise two threads to a query row.
@@ -49,6 +56,7 @@ from __future__ import annotations
 import functools
 import math
 
+from numba import config as numba_config
 from numba import cuda, int32, uint64
 
 from ..config import DETERMINISTIC, PAGED, SEQUSED, SM90_BWD_UNSERVED, VARLEN
@@ -56,7 +64,7 @@ from .dropout import keep
 from .flash_bwd import LOG2E, lse_to_log2_offset
 from .flash_fwd import acc_type, load_tile, thread_layout, variant_flags
 from .flash_fwd_sm90 import WARPGROUP, mbarrier_arrive, mbarrier_try_wait, mbarrier_wait
-from .mask import m_block_range, needs_mask, score_mod, score_mod_init, visible
+from .mask import m_block_range, n_block_range, needs_mask, score_mod, score_mod_init, visible
 from .seqinfo import seq_info
 
 WG_KEYS = 64  # keys of one consumer warpgroup
@@ -69,9 +77,8 @@ def make_flash_bwd_sm90(cfg):
     if cfg.kernel != "flash_bwd_sm90":
         raise ValueError(f"make_flash_bwd_sm90 builds flash_bwd_sm90, not {cfg.kernel}")
     if cfg.variant & SM90_BWD_UNSERVED:
-        names = [n for bit, n in ((VARLEN, "varlen"), (SEQUSED, "seqused"), (PAGED, "paged"),
-                                  (DETERMINISTIC, "deterministic")) if cfg.variant & bit]
-        raise ValueError(f"flash_bwd_sm90 serves dense, atomic-add batches only, not {', '.join(names)}")
+        names = [n for bit, n in ((VARLEN, "varlen"), (SEQUSED, "seqused"), (PAGED, "paged")) if cfg.variant & bit]
+        raise ValueError(f"flash_bwd_sm90 serves dense batches only, not {', '.join(names)}")
     if cfg.block_n <= 0 or cfg.block_n % WG_KEYS or cfg.warps != 4 * (1 + cfg.block_n // WG_KEYS):
         raise ValueError(f"flash_bwd_sm90: block_n must be a multiple of {WG_KEYS} and warps 4 * (1 + block_n / "
                          f"{WG_KEYS}) (a producer and one consumer warpgroup per {WG_KEYS} keys), got "
@@ -87,10 +94,16 @@ def make_flash_bwd_sm90(cfg):
     if DQ_TILES not in (CONSUMERS, 1):
         raise ValueError(f"flash_bwd_sm90: dQ takes a 64 x 64 tile per consumer or one in all, got {DQ_TILES} "
                          f"tiles for {CONSUMERS} consumers")
-    DQ_OWN_KEYS = DQ_TILES == 1  # kDqOwnKeys: each consumer adds its own keys' share of the one tile
+    DQ_OWN_KEYS = DQ_TILES == 1  # kDqOwnKeys: each consumer computes the one tile over its own keys
+    if DQ_OWN_KEYS and CONSUMERS != 2:
+        raise ValueError(f"flash_bwd_sm90: one dQ tile in all (head_dim={HEAD_DIM}, block_m={BLOCK_M}) takes the "
+                         f"partials of two consumers, half the rows each, got {CONSUMERS}")
     DQ_KEYS = WG_KEYS if DQ_OWN_KEYS else BLOCK_N  # kDqKeys
     STAGES = 2  # kStages
     IS_LOCAL, IS_SOFTCAP, IS_ALIBI, IS_DROPOUT, _, TRANSFORM = variant_flags(cfg)
+    IS_DETERMINISTIC = bool(cfg.variant & DETERMINISTIC)  # kIsDeterministic
+    TURN_WARP = 2  # the producer warpgroup's warp that keeps the dQ tiles' turns
+    SIMULATED = bool(numba_config.ENABLE_CUDASIM)  # blocks one after another: a turn never comes by waiting
     ACC = acc_type(cfg.dtype)
     # A consumer thread's share: key wg_key0 + tid // TPR, queries (S^T) / dims (dK, dV) lane + j * TPR;
     # of the dQ tile, query row tid // TPR, dims lane + j * TPR
@@ -98,6 +111,10 @@ def make_flash_bwd_sm90(cfg):
     D_CPT = thread_layout(WG_KEYS, HEAD_DIM, WARPGROUP)[3]
     DQ_CPT = thread_layout(DQ_TILE, DQ_TILE, WARPGROUP)[3]
     CAP_CPT = S_CPT if IS_SOFTCAP else 1
+    # kDqOwnKeys: consumer warp w holds dQ rows 16 w .. 16 w + 15 (dq_r = tid // TPR, TPR = 2), as CUDA's does;
+    # sDqX [it & 1][from consumer][row % 32][col]: CUDA's 2 x 2 x (2 warps x 32 floats x 32 lanes)
+    assert TPR == 2 and thread_layout(DQ_TILE, DQ_TILE, WARPGROUP)[0] == TPR
+    DQX_SHAPE = (2, 2, 32, DQ_TILE) if DQ_OWN_KEYS else (1, 1, 1, 1)
     # mbarriers: indices into `bars`, in the kernel's order; arrivals a phase
     KV_FULL = 0
     N_BARS = 1 + 4 * STAGES
@@ -125,9 +142,11 @@ def make_flash_bwd_sm90(cfg):
     @cuda.jit(device=True)
     def block_coordinates(q, k, cu_seqlens_q, cu_seqlens_k, window_left, window_right):
         # [2] Block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
+        # DETERMINISTIC: key blocks add into each dQ tile last to first, and launch in that order too, so that
+        # a block waits only on blocks launched before it
         head_k = cuda.blockIdx.x
         batch = cuda.blockIdx.y
-        n_block = cuda.blockIdx.z
+        n_block = cuda.gridDim.z - 1 - cuda.blockIdx.z if IS_DETERMINISTIC else cuda.blockIdx.z
         _, _, seqlen_q, seqlen_k = seq_info(False, cu_seqlens_q, cu_seqlens_k, batch, q.shape[1], k.shape[1])
         group = q.shape[2] // k.shape[2]
         m_block_first, m_block_end = m_block_range(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k,
@@ -293,7 +312,7 @@ def make_flash_bwd_sm90(cfg):
 
     @cuda.jit(device=True)
     def store_ds(it, acc_dp, sdS, key, lane):
-        # [9] dS into shared memory; dQ_accum += dS K (wgmma), fp32 atomic adds
+        # [9] dS into shared memory; dQ_accum += dS K (wgmma), fp32 atomic adds, in key-block order when deterministic
         # dS (queries x keys) into sdS, this consumer's keys (CUDA: transposed 16-bit stores, swizzled)
         ds_tile = it & 1  # two sdS: one written while the other may still be read
         for j in range(S_CPT):
@@ -309,6 +328,41 @@ def make_flash_bwd_sm90(cfg):
             for n in range(dq_key0, dq_key0 + DQ_KEYS):  # CUDA: wgmma (dS, K from shared memory)
                 a += sdS[ds_tile, dq_row0 + row, n] * sK[n, c]
             acc_dq[j] = a
+
+    @cuda.jit(device=True)
+    def turn_of(m_block, n_block, seqlen_q, seqlen_k, window_left, window_right):
+        # This key block's turn at m_block's dQ tile: after the key blocks n_block + 1 .. n_end - 1 of the
+        # query block's range (each of them visits it: m_block_range and n_block_range agree)
+        _, n_end = n_block_range(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, m_block)
+        return n_end - 1 - n_block
+
+    @cuda.jit(device=True)
+    def hand_on(semaphore, batch, head, m_block, turn, lane):
+        # The consumers' adds into the tile are fenced (CUDA: named_barrier_sync(kDqDone), the syncthreads
+        # before the turn warp's call): the next key block's turn
+        if lane == 0:
+            cuda.atomic.exch(semaphore, (batch, head, m_block), turn + 1)  # CUDA: store_release
+
+    @cuda.jit(device=True)
+    def turn_warp(it, semaphore, batch, head_k, group, n_m, m_block_first, n_it, n_block, seqlen_q, seqlen_k,
+                  window_left, window_right, lane):
+        # The turn warp (DETERMINISTIC, producer warp 2) at pair it (n_it: after the last): hand the previous
+        # pair's tile on (CUDA keeps it as pending, pending_turn), then wait for this pair's turn; the
+        # consumers' adds start at kDqReady, the syncthreads after this call (CUDA: named_barrier_arrive)
+        if it > 0:
+            head, m_block = pair(it - 1, head_k, group, n_m, m_block_first)
+            hand_on(semaphore, batch, head, m_block,
+                    turn_of(m_block, n_block, seqlen_q, seqlen_k, window_left, window_right), lane)
+        if it < n_it and lane == 0:
+            head, m_block = pair(it, head_k, group, n_m, m_block_first)
+            turn = turn_of(m_block, n_block, seqlen_q, seqlen_k, window_left, window_right)
+            # An atomic read (CUDA: load_acquire; a plain load could be hoisted out of the loop). Under the
+            # simulator blocks run one after another, np.ndindex order over (nheads_k, batch, n_blocks): key
+            # blocks of a kv head from last to first, so the turns waited for have all been given by now; one
+            # that has not would never come (a broken order): raise rather than hang.
+            while cuda.atomic.add(semaphore, (batch, head, m_block), 0) != turn:
+                if SIMULATED:
+                    raise RuntimeError("sm90 prototype: a dQ tile's turn was not given before its key block ran")
 
     @cuda.jit(device=True)
     def release(bars, stage, tid):
@@ -329,6 +383,8 @@ def make_flash_bwd_sm90(cfg):
         sA = cuda.shared.array((2, BLOCK_N, BLOCK_M), ACC)  # CUDA: a_frag in registers; 0 P^T, 1 dS^T
         sLse = cuda.shared.array((STAGES, BLOCK_M), ACC)  # LSE * log2(e): exp2 offsets
         sD = cuda.shared.array((STAGES, BLOCK_M), ACC)
+        # kDqOwnKeys: the dQ partials handed to the other consumer, two buffers (by it & 1) as sdS's
+        sDqX = cuda.shared.array(DQX_SHAPE, ACC)
         bars = cuda.shared.array(N_BARS, int32)
 
         head_k, batch, n_block, seqlen_q, seqlen_k, group, m_block_first, m_block_end = block_coordinates(
@@ -368,6 +424,7 @@ def make_flash_bwd_sm90(cfg):
         dq_col0 = DQ_TILE * (dq_tile // (BLOCK_M // DQ_TILE))
         dq_key0 = wg_key0 if DQ_OWN_KEYS else 0
         dq_r = tid // TPR  # this thread's query row of the dQ tile
+        warp = tid // 32  # of the consumer warpgroup: dQ rows 16 warp .. 16 warp + 15
 
         acc_s = cuda.local.array(S_CPT, ACC)
         acc_dp = cuda.local.array(S_CPT, ACC)
@@ -407,9 +464,37 @@ def make_flash_bwd_sm90(cfg):
             # CUDA: fence_proxy_async, then named barrier kStore + consumer (kDqOwnKeys: this consumer's keys
             # are in) or kDsReady (every consumer's)
             cuda.syncthreads()
+            adds = consumer >= 0
+            from_ = 0  # CUDA's `from`: the consumer whose partial sDqX holds
             if consumer >= 0:
                 issue_dq(it, acc_dq, sdS, sK, dq_row0, dq_col0, dq_key0, dq_r, lane)
                 release(bars, stage, tid)
+                # The adds. kDqOwnKeys: consumer c adds the rows of its warps 2c, 2c + 1, their partials summed
+                # with the other consumer's (handed on through sDqX); its other rows' partial it hands on
+                if DQ_OWN_KEYS:
+                    adds = warp // 2 == consumer
+                    from_ = 1 - consumer if adds else consumer
+                    if not adds:
+                        for j in range(DQ_CPT):
+                            sDqX[it & 1, from_, dq_r % 32, lane + j * TPR] = acc_dq[j]
+                if IS_DETERMINISTIC and it > 0:
+                    # an iteration late: the last tile's adds land before the turn warp hands it on (CUDA:
+                    # then named_barrier_arrive(kDqDone))
+                    cuda.threadfence()
+            if IS_DETERMINISTIC:
+                if it > 0:
+                    cuda.syncthreads()  # CUDA: named barrier kDqDone (the consumers arrive, the turn warp syncs)
+                if cuda.threadIdx.x // 32 == TURN_WARP:
+                    turn_warp(it, semaphore, batch, head_k, group, n_m, m_block_first, n_it, n_block, seqlen_q,
+                              seqlen_k, window_left, window_right, cuda.threadIdx.x % 32)
+            if DQ_OWN_KEYS or IS_DETERMINISTIC:
+                # CUDA: named barrier kDqReady (the consumers sync, the turn warp arrives): sDqX's partials are
+                # in, this tile's turn has come
+                cuda.syncthreads()
+            if adds:
+                if DQ_OWN_KEYS:
+                    for j in range(DQ_CPT):
+                        acc_dq[j] += sDqX[it & 1, from_, dq_r % 32, lane + j * TPR]
                 row = row_begin + dq_row0 + dq_r
                 if row < seqlen_q:
                     for j in range(DQ_CPT):
@@ -424,6 +509,15 @@ def make_flash_bwd_sm90(cfg):
                 rows_it = producer_rows(rows_it, bars, sLse, sD, lse, dsum, batch, head_k, group, m_block_first,
                                         n_m, n_it, seqlen_q, cuda.threadIdx.x % 32)
             cuda.syncthreads()  # and the copies they allowed have landed
+
+        if IS_DETERMINISTIC and n_it > 0:
+            # the last tile's adds fenced (CUDA: then named_barrier_arrive(kDqDone)), the turn warp hands it on
+            if consumer >= 0:
+                cuda.threadfence()
+            cuda.syncthreads()  # CUDA: named barrier kDqDone
+            if cuda.threadIdx.x // 32 == TURN_WARP:
+                turn_warp(n_it, semaphore, batch, head_k, group, n_m, m_block_first, n_it, n_block, seqlen_q,
+                          seqlen_k, window_left, window_right, cuda.threadIdx.x % 32)
 
         # [10] Store dK * softmax_scale and dV
         # Through this consumer's rows of sK and sV, once every consumer's last dQ (which reads sK) has
