@@ -265,6 +265,12 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
         wgmma_commit();
         const float* lse_off = sLse + s * kBlockM;
         const float* d_rows = sD + s * kBlockM;
+        // a per-query row (LSE offsets, D) at acc element [ni][e]'s query: 8 ni + 2t + (e & 1), both of a
+        // thread's queries in one 8-byte load
+        auto at_query = [&](const float* rows, int ni, int e) {
+            const float2 two = *reinterpret_cast<const float2*>(rows + 8 * ni + 2 * t);
+            return (e & 1) ? two.y : two.x;
+        };
         wgmma_wait<1>();  // S^T has completed; dP^T may still run
         fence_operands(acc_s);
 
@@ -289,7 +295,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
         for (int ni = 0; ni < kNTilesQ; ++ni)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                acc_s[ni][e] = exp2f(acc_s[ni][e] * scale_log2 - lse_off[8 * ni + 2 * t + (e & 1)]);
+                acc_s[ni][e] = exp2f(acc_s[ni][e] * scale_log2 - at_query(lse_off, ni, e));
         if constexpr (kIsDropout) {
             // a dropped entry is kept as -P: dV reads max(P, 0) (its 1 / (1 - p) applied at the store), dS
             // below tells kept from dropped by the sign
@@ -316,7 +322,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
         for (int ni = 0; ni < kNTilesQ; ++ni)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float d = d_rows[8 * ni + 2 * t + (e & 1)];
+                const float d = at_query(d_rows, ni, e);
                 float ds;
                 if constexpr (kIsDropout) {
                     ds = acc_s[ni][e] >= 0.f ? acc_s[ni][e] * (acc_dp[ni][e] * static_cast<float>(p.fwd.dropout_scale) - d)
@@ -334,19 +340,18 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
         for (int kq = 0; kq < kBlockM / 16; ++kq) acc_to_a<T>(a_frag[kq], acc_dp[2 * kq], acc_dp[2 * kq + 1]);
 
         // [9] dS into shared memory; dQ_accum += dS K (wgmma), fp32 atomic adds, in key-block order when deterministic
-        // dS (queries x keys) into sdS, this consumer's 64 keys = slab `consumer` (transposed stores):
-        // a_frag[kq][j] holds keys g + 8 (j & 1), queries 16 kq + 8 (j >> 1) + 2t (+1 in the high half)
+        // dS (queries x keys) into sdS, this consumer's 64 keys = slab `consumer`, by stmatrix .trans:
+        // a_frag[kq][j] is the 8 x 8 tile of keys 16 warp + 8 (j & 1) + 0..7 (one 16-byte chunk of an sdS row)
+        // by queries 16 kq + 8 (j >> 1) + 0..7; lane l gives the address of tile l / 8's query row l % 8
         const unsigned ds_tile = sdS + (it & 1) * Smem::kDS;
+        {
+            const int j = lane / 8, chunk = 2 * warp + (j & 1);
 #pragma unroll
-        for (int kq = 0; kq < kBlockM / 16; ++kq)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int q = 16 * kq + 8 * (j >> 1) + 2 * t, chunk = 2 * warp + (j & 1);
-                const unsigned addr = ds_tile + consumer * kSlabQ + q * 128 + ((chunk ^ (q % 8)) * 16) + g * 2;
-                const unsigned addr1 = ds_tile + consumer * kSlabQ + (q + 1) * 128 + ((chunk ^ ((q + 1) % 8)) * 16) + g * 2;
-                asm volatile("st.shared.u16 [%0], %1;" ::"r"(addr), "h"(static_cast<unsigned short>(a_frag[kq][j])) : "memory");
-                asm volatile("st.shared.u16 [%0], %1;" ::"r"(addr1), "h"(static_cast<unsigned short>(a_frag[kq][j] >> 16)) : "memory");
+            for (int kq = 0; kq < kBlockM / 16; ++kq) {
+                const int q = 16 * kq + 8 * (j >> 1) + lane % 8;
+                stmatrix_x4_trans(ds_tile + consumer * kSlabQ + q * 128 + ((chunk ^ (q % 8)) * 16), a_frag[kq]);
             }
+        }
         fence_proxy_async();  // the stores, then the wgmma that reads them
         if constexpr (kDqOwnKeys) {
             named_barrier_sync(kStore + consumer, 128);  // this consumer's keys are in

@@ -45,6 +45,15 @@ __device__ __forceinline__ void tma_load_4d(unsigned dst, const void* tensor_map
         : "memory");
 }
 
+// Four 8 x 8 tiles of 16-bit elements from registers (each in the mma.sync fragment layout: lane l holds row
+// l / 4, columns 2 (l % 4) and + 1 of tile i in r[i]) into shared memory transposed: lanes 8 i .. 8 i + 7 give
+// the addresses of tile i's stored rows (its columns), 16 contiguous bytes each.
+__device__ __forceinline__ void stmatrix_x4_trans(unsigned addr, const unsigned (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r[0]),
+                 "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
+
 // wgmma shared-memory matrix descriptor of a 128-byte-swizzled tile (see the top of this file): start
 // address, leading and stride byte offsets (both >> 4), swizzle mode 1 (128 bytes) in bits 62-63.
 //   K-major operand (Q, K): lbo unused (16), sbo = 1024 (the next 8 rows); step along K by adding 32 bytes
