@@ -72,8 +72,10 @@ def test_compile_reports_and_shows_no_progress_off_a_terminal(monkeypatch):
 
 
 class FakeDevice:
-    attributes = {"MaxSharedMemoryPerBlockOptin": 101_376}  # an sm_86-sized limit: some configs drop out
-    compute_capability = "86"  # and the sm_90a kernels drop out
+    # between the smallest sm_90a config's shared memory and the largest other's: some configs drop out by
+    # size, and the sm_90a kernels, some of which would fit, by compute capability
+    attributes = {"MaxSharedMemoryPerBlockOptin": 140_000}
+    compute_capability = "86"
 
 
 @pytest.mark.parametrize("jobs", [1, 4])
