@@ -16,12 +16,13 @@ where dense slabs = batch, rows = seqlen_q and varlen slabs = 1, rows = total_q;
 (entries, nheads, blocks), one per query block of each sequence (deterministic mode). With VARLEN
 every array is a packed (1, total, ...) view and the grids are sized by the longest sequences.
 
-One pass over key blocks, as in flash_bwd.cu: flash_bwd owns one key block, loops over the group's
-query heads and the query blocks the mask gives, accumulates dK and dV in per-thread arrays and adds
-dQ's share dS K into dq_accum with atomic adds: as they come, or (DETERMINISTIC) in a fixed order of
-key blocks, last to first (the launch order too), each dQ tile's turn kept by its semaphore. The preprocess zeroes dq_accum and the
-semaphores; the postprocess writes dQ = dq_accum * softmax_scale in the output dtype. fp32 / fp64 run
-these kernels too (the CUDA library runs flash_bwd_simt.cu's there; the prototype has no SIMT variant).
+One pass over key blocks, as in flash_bwd.cu: flash_bwd owns one key block, loops over the (query head
+of the group, query block of the mask) pairs in backward_pair's order, accumulates dK and dV in
+per-thread arrays and adds dQ's share dS K into dq_accum with atomic adds: as they come, or
+(DETERMINISTIC) in a fixed order of key blocks, first to last (dq_turn), each dQ tile's turn kept by its
+semaphore. The preprocess zeroes dq_accum and the semaphores; the postprocess writes
+dQ = dq_accum * softmax_scale in the output dtype. fp32 / fp64 run these kernels too (the CUDA library
+runs flash_bwd_simt.cu's there; the prototype has no SIMT variant).
 
 Variants as in flash_bwd.cu: the mask gives each key block's query blocks, S passes through score_mod
 and the mask before P is recomputed (exp2's scale from score_mod_init: the held units'), and a softcap
@@ -115,6 +116,25 @@ def lse_to_log2_offset(lse):
 
 
 @cuda.jit(device=True)
+def backward_pair(deterministic, it, head_k, group, m_block_first, m_block_end):
+    # backward.cuh's: a key block's pair `it` is query head hq = it % group at the i-th query block
+    # (i = it // group) from the first, or (deterministic) from the last. Deterministic: key blocks add into
+    # each dQ tile first to last (dq_turn), and a block's i-th pair is a tile every block before it in line
+    # visited at its i-th pair or earlier, so a block lags the one before it by about a pair.
+    head = head_k * group + it % group
+    i = it // group
+    return head, (m_block_end - 1 - i if deterministic else m_block_first + i)
+
+
+@cuda.jit(device=True)
+def dq_turn(is_local, window_left, window_right, seqlen_q, seqlen_k, block_m, block_n, m_block, n_block):
+    # backward.cuh's: key block n_block's turn at dQ tile m_block, the count of key blocks before it in the
+    # tile's range (each of them visits it: m_block_range and n_block_range agree)
+    n_first, _ = n_block_range(is_local, window_left, window_right, seqlen_q, seqlen_k, block_m, block_n, m_block)
+    return n_block - n_first
+
+
+@cuda.jit(device=True)
 def load_lse_d(sLse, sD, lse, dsum, bidx, head, row_begin, q_start, seqlen_q, tid, nthreads):
     # LSE offsets and D of rows row_begin.. of the sequence (array rows q_start + row_begin..); rows
     # past seqlen_q take offset +inf and D = 0.
@@ -151,9 +171,7 @@ def make_flash_bwd(cfg):
         # [2] Block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
         head_k = cuda.blockIdx.x
         batch = cuda.blockIdx.y
-        # DETERMINISTIC: key blocks launch last to first, the order they add in (a block waits only on
-        # blocks launched before it)
-        n_block = cuda.gridDim.z - 1 - cuda.blockIdx.z if IS_DETERMINISTIC else cuda.blockIdx.z
+        n_block = cuda.blockIdx.z
         tid = cuda.threadIdx.x
         q_start, k_start, seqlen_q, seqlen_k = seq_info(IS_VARLEN, cu_seqlens_q, cu_seqlens_k, batch,
                                                         q.shape[1], k.shape[1])
@@ -195,142 +213,149 @@ def make_flash_bwd(cfg):
         load_tile(sK, k, bidx, k_start + key_begin, head_k, k_start + seqlen_k, head_dim, tid, NTHREADS)
         load_tile(sV, v, bidx, k_start + key_begin, head_k, k_start + seqlen_k, head_dim, tid, NTHREADS)
 
-        for hq in range(group):
-            head = head_k * group + hq
+        # DETERMINISTIC: the tile added into at the last pair (handed on an iteration late) and its turn
+        pending = -1
+        pending_head = 0
+        pending_turn = 0
+        # The (query head, query block) pairs this key block visits, in backward_pair's order
+        for it in range(group * max(m_block_end - m_block_first, 0)):
+            head, m_block = backward_pair(IS_DETERMINISTIC, it, head_k, group, m_block_first, m_block_end)
             # ScoreMod of this (batch, head): the transform's constants and exp2's scale (score_mod_init)
             slope = alibi_slopes[batch * alibi_batch_stride + head] if IS_ALIBI else ACC(0)
             _, tanh_in, bias, score_log2 = score_mod_init(IS_SOFTCAP, softmax_scale, softcap, slope, scale_log2,
                                                           ACC(LOG2E))
             bh = uint64(batch * nheads + head)  # dropout: Philox counter word 2
-            for m_block in range(m_block_first, m_block_end):
-                row_begin = m_block * BLOCK_M
-                cuda.syncthreads()  # the previous query block is done with sQ, sdO, sdS
-                # [3] Load the Q, dO tiles and LSE, D rows of one query block
-                load_tile(sQ, q, bidx, q_start + row_begin, head, q_start + seqlen_q, head_dim, tid, NTHREADS)
-                load_tile(sdO, do, bidx, q_start + row_begin, head, q_start + seqlen_q, head_dim, tid, NTHREADS)
-                load_lse_d(sLse, sD, lse, dsum, bidx, head, row_begin, q_start, seqlen_q, tid, NTHREADS)
-                cuda.syncthreads()
+            row_begin = m_block * BLOCK_M
+            cuda.syncthreads()  # the previous query block is done with sQ, sdO, sdS
+            # [3] Load the Q, dO tiles and LSE, D rows of one query block
+            load_tile(sQ, q, bidx, q_start + row_begin, head, q_start + seqlen_q, head_dim, tid, NTHREADS)
+            load_tile(sdO, do, bidx, q_start + row_begin, head, q_start + seqlen_q, head_dim, tid, NTHREADS)
+            load_lse_d(sLse, sD, lse, dsum, bidx, head, row_begin, q_start, seqlen_q, tid, NTHREADS)
+            cuda.syncthreads()
 
-                # [4] Recompute S = Q K^T, score modifiers, mask, P = exp2(S * scale_log2 - LSE * log2(e))
-                masked = needs_mask(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N,
-                                    m_block, n_block)
-                for i in range(S_EPT):
-                    e = tid + i * NTHREADS
-                    if e < BLOCK_M * BLOCK_N:
-                        r = e // BLOCK_N
-                        c = e - r * BLOCK_N
-                        row = row_begin + r
-                        col = key_begin + c
-                        s = ACC(0)
-                        for d in range(HEAD_DIM):  # CUDA: mma.sync
-                            s += sQ[r, d] * sK[c, d]
-                        acc_s[i] = s
-                        if TRANSFORM:
-                            x, dcap = score_mod(IS_SOFTCAP, IS_ALIBI, tanh_in, bias, shift, acc_s[i], row, col)
-                            acc_s[i] = x
-                            if IS_SOFTCAP:
-                                acc_cap[i] = dcap
-                        if masked:
-                            if not visible(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, row, col):
-                                acc_s[i] = -math.inf
-                        acc_s[i] = math.exp2(acc_s[i] * score_log2 - sLse[r])
-                        # a dropped entry is kept as -P: dV reads max(P, 0) (its 1 / (1 - p) applied at the
-                        # store), dS below tells kept from dropped by the sign
-                        if IS_DROPOUT:
-                            if not keep(seed_lo, seed_hi, bh, offset, dropout_threshold, row, col):
-                                acc_s[i] = -acc_s[i]
-                            sP[r, c] = max(acc_s[i], ACC(0))
-                        else:
-                            sP[r, c] = acc_s[i]
-                cuda.syncthreads()
-
-                # [5] dV += P^T dO
-                for i in range(RPT):
-                    n = row0 + i * ROW_STRIDE
-                    for j in range(CPT):
-                        c = lane + j * TPR
-                        a = acc_dv[i, j]
-                        for r in range(BLOCK_M):  # CUDA: mma.sync
-                            a += sP[r, n] * sdO[r, c]
-                        acc_dv[i, j] = a
-
-                # [6] dP = dO V^T
-                for i in range(S_EPT):
-                    e = tid + i * NTHREADS
-                    if e < BLOCK_M * BLOCK_N:
-                        r = e // BLOCK_N
-                        c = e - r * BLOCK_N
-                        dp = ACC(0)
-                        for d in range(HEAD_DIM):  # CUDA: mma.sync
-                            dp += sdO[r, d] * sV[c, d]
-                        acc_dp[i] = dp
-
-                # [7] dS = P * (dP - D)
-                # Dropout: dL/dP is dP / (1 - p) where kept and 0 where dropped (there acc_s = -P, so
-                # dS = -P * D = acc_s * D). Softcap: times 1 - tanh^2.
-                for i in range(S_EPT):
-                    e = tid + i * NTHREADS
-                    if e < BLOCK_M * BLOCK_N:
-                        r = e // BLOCK_N
-                        if IS_DROPOUT:
-                            if acc_s[i] >= 0:
-                                ds = acc_s[i] * (acc_dp[i] * dropout_scale - sD[r])
-                            else:
-                                ds = acc_s[i] * sD[r]
-                        else:
-                            ds = acc_s[i] * (acc_dp[i] - sD[r])
-                        if IS_SOFTCAP:
-                            ds *= acc_cap[i]
-                        acc_dp[i] = ds
-                cuda.syncthreads()  # every thread is done reading P ([5]): overwrite it with dS
-                for i in range(S_EPT):
-                    e = tid + i * NTHREADS
-                    if e < BLOCK_M * BLOCK_N:
-                        r = e // BLOCK_N
-                        sdS[r, e - r * BLOCK_N] = acc_dp[i]
-                # DETERMINISTIC: this key block's turn at the dQ tile, once the key blocks n_block + 1 .. n_end - 1
-                # of its query block have added (each of them visits it: m_block_range and n_block_range agree)
-                turn = 0
-                if IS_DETERMINISTIC:
-                    _, n_end = n_block_range(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k,
-                                             BLOCK_M, BLOCK_N, m_block)
-                    turn = n_end - 1 - n_block
-                    if tid == 0:
-                        # an atomic read (load_acquire in flash_bwd.cu): a plain load could be hoisted out of
-                        # the loop. Under the simulator blocks run one after another, np.ndindex order over
-                        # (nheads_k, batch, n_blocks): key blocks of a kv head from last to first, so the
-                        # turns waited for have all been given when a block gets here.
-                        while cuda.atomic.add(semaphore, (batch, head, m_block), 0) != turn:
-                            pass
-                cuda.syncthreads()  # sdS (and the semaphore) for every thread
-
-                # [8] dK += dS^T Q
-                for i in range(RPT):
-                    n = row0 + i * ROW_STRIDE
-                    for j in range(CPT):
-                        c = lane + j * TPR
-                        a = acc_dk[i, j]
-                        for r in range(BLOCK_M):  # CUDA: mma.sync
-                            a += sdS[r, n] * sQ[r, c]
-                        acc_dk[i, j] = a
-
-                # [9] dQ_accum += dS K: fp32 atomic adds, in key-block order when deterministic
-                # (in acc_t: float64 for float64)
-                for i in range(RPT_Q):
-                    r = row0_q + i * ROW_STRIDE_Q
+            # [4] Recompute S = Q K^T, score modifiers, mask, P = exp2(S * scale_log2 - LSE * log2(e))
+            masked = needs_mask(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N,
+                                m_block, n_block)
+            for i in range(S_EPT):
+                e = tid + i * NTHREADS
+                if e < BLOCK_M * BLOCK_N:
+                    r = e // BLOCK_N
+                    c = e - r * BLOCK_N
                     row = row_begin + r
-                    for j in range(CPT_Q):
-                        c = lane_q + j * TPR_Q
-                        a = ACC(0)
-                        for n in range(BLOCK_N):  # CUDA: mma.sync
-                            a += sdS[r, n] * sK[n, c]
-                        if row < seqlen_q and c < head_dim:
-                            cuda.atomic.add(dq_accum, (bidx, head, q_start + row, c), a)
-                if IS_DETERMINISTIC:
-                    cuda.threadfence()  # the adds land before the next turn is given
-                    cuda.syncthreads()
-                    if tid == 0:
-                        cuda.atomic.exch(semaphore, (batch, head, m_block), turn + 1)  # store_release
+                    col = key_begin + c
+                    s = ACC(0)
+                    for d in range(HEAD_DIM):  # CUDA: mma.sync
+                        s += sQ[r, d] * sK[c, d]
+                    acc_s[i] = s
+                    if TRANSFORM:
+                        x, dcap = score_mod(IS_SOFTCAP, IS_ALIBI, tanh_in, bias, shift, acc_s[i], row, col)
+                        acc_s[i] = x
+                        if IS_SOFTCAP:
+                            acc_cap[i] = dcap
+                    if masked:
+                        if not visible(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, row, col):
+                            acc_s[i] = -math.inf
+                    acc_s[i] = math.exp2(acc_s[i] * score_log2 - sLse[r])
+                    # a dropped entry is kept as -P: dV reads max(P, 0) (its 1 / (1 - p) applied at the
+                    # store), dS below tells kept from dropped by the sign
+                    if IS_DROPOUT:
+                        if not keep(seed_lo, seed_hi, bh, offset, dropout_threshold, row, col):
+                            acc_s[i] = -acc_s[i]
+                        sP[r, c] = max(acc_s[i], ACC(0))
+                    else:
+                        sP[r, c] = acc_s[i]
+            cuda.syncthreads()
+
+            # [5] dV += P^T dO
+            for i in range(RPT):
+                n = row0 + i * ROW_STRIDE
+                for j in range(CPT):
+                    c = lane + j * TPR
+                    a = acc_dv[i, j]
+                    for r in range(BLOCK_M):  # CUDA: mma.sync
+                        a += sP[r, n] * sdO[r, c]
+                    acc_dv[i, j] = a
+
+            # [6] dP = dO V^T
+            for i in range(S_EPT):
+                e = tid + i * NTHREADS
+                if e < BLOCK_M * BLOCK_N:
+                    r = e // BLOCK_N
+                    c = e - r * BLOCK_N
+                    dp = ACC(0)
+                    for d in range(HEAD_DIM):  # CUDA: mma.sync
+                        dp += sdO[r, d] * sV[c, d]
+                    acc_dp[i] = dp
+
+            # [7] dS = P * (dP - D)
+            # Dropout: dL/dP is dP / (1 - p) where kept and 0 where dropped (there acc_s = -P, so
+            # dS = -P * D = acc_s * D). Softcap: times 1 - tanh^2.
+            for i in range(S_EPT):
+                e = tid + i * NTHREADS
+                if e < BLOCK_M * BLOCK_N:
+                    r = e // BLOCK_N
+                    if IS_DROPOUT:
+                        if acc_s[i] >= 0:
+                            ds = acc_s[i] * (acc_dp[i] * dropout_scale - sD[r])
+                        else:
+                            ds = acc_s[i] * sD[r]
+                    else:
+                        ds = acc_s[i] * (acc_dp[i] - sD[r])
+                    if IS_SOFTCAP:
+                        ds *= acc_cap[i]
+                    acc_dp[i] = ds
+            cuda.syncthreads()  # every thread is done reading P ([5]): overwrite it with dS
+            for i in range(S_EPT):
+                e = tid + i * NTHREADS
+                if e < BLOCK_M * BLOCK_N:
+                    r = e // BLOCK_N
+                    sdS[r, e - r * BLOCK_N] = acc_dp[i]
+            # DETERMINISTIC: hand the previous tile on (an iteration late; no fence: the release is cumulative
+            # over the adds the barriers since ordered before it), then wait for this tile's turn
+            if IS_DETERMINISTIC:
+                turn = dq_turn(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, m_block,
+                               n_block)
+                if tid == 0:
+                    if pending >= 0:
+                        cuda.atomic.exch(semaphore, (batch, pending_head, pending), pending_turn + 1)  # store_release
+                    # an atomic read (load_acquire in flash_bwd.cu): a plain load could be hoisted out of
+                    # the loop. Under the simulator blocks run one after another, np.ndindex order over
+                    # (nheads_k, batch, n_blocks): key blocks of a kv head from first to last, so the
+                    # turns waited for have all been given when a block gets here.
+                    while cuda.atomic.add(semaphore, (batch, head, m_block), 0) != turn:
+                        pass
+                pending = m_block
+                pending_head = head
+                pending_turn = turn
+            cuda.syncthreads()  # sdS (and the semaphore) for every thread
+
+            # [8] dK += dS^T Q
+            for i in range(RPT):
+                n = row0 + i * ROW_STRIDE
+                for j in range(CPT):
+                    c = lane + j * TPR
+                    a = acc_dk[i, j]
+                    for r in range(BLOCK_M):  # CUDA: mma.sync
+                        a += sdS[r, n] * sQ[r, c]
+                    acc_dk[i, j] = a
+
+            # [9] dQ_accum += dS K: fp32 atomic adds, in key-block order when deterministic
+            # (in acc_t: float64 for float64)
+            for i in range(RPT_Q):
+                r = row0_q + i * ROW_STRIDE_Q
+                row = row_begin + r
+                for j in range(CPT_Q):
+                    c = lane_q + j * TPR_Q
+                    a = ACC(0)
+                    for n in range(BLOCK_N):  # CUDA: mma.sync
+                        a += sdS[r, n] * sK[n, c]
+                    if row < seqlen_q and c < head_dim:
+                        cuda.atomic.add(dq_accum, (bidx, head, q_start + row, c), a)
+
+        if IS_DETERMINISTIC and pending >= 0:
+            cuda.syncthreads()  # every thread's adds into the last tile are issued
+            if tid == 0:
+                cuda.atomic.exch(semaphore, (batch, pending_head, pending), pending_turn + 1)  # store_release
 
         # [10] Store dK * softmax_scale and dV
         # (dV times 1 / (1 - p) with dropout)

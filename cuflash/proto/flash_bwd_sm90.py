@@ -22,9 +22,10 @@ and D rows into the stage and arrives on q_full beside the Q tile. Warpgroup 1 +
 and the adds into dq_accum. kDqOwnKeys (d = 64, block_m = 64, two consumers): the one tile, each consumer's over
 its own keys; consumer c adds rows 32 c .. 32 c + 31 (those of its warps 2 c, 2 c + 1), its partial plus the
 other consumer's handed on through sDqX, and hands its other rows' partial on likewise.
-DETERMINISTIC: key blocks launch last to first and add into each dQ tile in that order (turn = n_end - 1 -
-n_block, flash_bwd.py's protocol); producer warp 2, the turn warp, waits for each pair's turn and hands it on
-once the consumers' adds are fenced, so that the consumers only meet it at the named barriers kDqReady and kDqDone.
+DETERMINISTIC: key blocks add into each dQ tile first to last while each visits its query blocks last to
+first (flash_bwd.py's backward_pair and dq_turn, as backward.cuh); producer warp 2, the turn warp, waits for
+each pair's turn and hands the tile on once the consumers have issued their adds, so that the consumers only
+meet it at the named barriers kDqReady and kDqDone.
 
 What stands in for Hopper's machinery, as in proto/flash_fwd_sm90.py (the kernel's names are kept; stage is
 CUDA's s = it % kStages):
@@ -61,7 +62,7 @@ from numba import cuda, int32, uint64
 
 from ..config import DETERMINISTIC, PAGED, SEQUSED, SM90_BWD_UNSERVED, VARLEN
 from .dropout import keep
-from .flash_bwd import LOG2E, lse_to_log2_offset
+from .flash_bwd import LOG2E, backward_pair, dq_turn, lse_to_log2_offset
 from .flash_fwd import acc_type, load_tile, thread_layout, variant_flags
 from .flash_fwd_sm90 import WARPGROUP, mbarrier_arrive, mbarrier_try_wait, mbarrier_wait
 from .mask import m_block_range, n_block_range, needs_mask, score_mod, score_mod_init, visible
@@ -142,11 +143,9 @@ def make_flash_bwd_sm90(cfg):
     @cuda.jit(device=True)
     def block_coordinates(q, k, cu_seqlens_q, cu_seqlens_k, window_left, window_right):
         # [2] Block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
-        # DETERMINISTIC: key blocks add into each dQ tile last to first, and launch in that order too, so that
-        # a block waits only on blocks launched before it
         head_k = cuda.blockIdx.x
         batch = cuda.blockIdx.y
-        n_block = cuda.gridDim.z - 1 - cuda.blockIdx.z if IS_DETERMINISTIC else cuda.blockIdx.z
+        n_block = cuda.blockIdx.z
         _, _, seqlen_q, seqlen_k = seq_info(False, cu_seqlens_q, cu_seqlens_k, batch, q.shape[1], k.shape[1])
         group = q.shape[2] // k.shape[2]
         m_block_first, m_block_end = m_block_range(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k,
@@ -154,12 +153,12 @@ def make_flash_bwd_sm90(cfg):
         return head_k, batch, n_block, seqlen_q, seqlen_k, group, m_block_first, m_block_end
 
     @cuda.jit(device=True)
-    def pair(it, head_k, group, n_m, m_block_first):  # pair it = hq * n_m + (m_block - m_block_first)
-        return head_k * group + it // n_m, m_block_first + it % n_m
+    def pair(it, head_k, group, m_block_first, m_block_end):  # (head, m_block) of pair it: backward_pair's order
+        return backward_pair(IS_DETERMINISTIC, it, head_k, group, m_block_first, m_block_end)
 
     @cuda.jit(device=True)
     def producer(tile, bars, sK, sV, sQ, sdO, q, k, v, do, batch, head_k, group, key_begin, m_block_first,
-                 n_m, n_it, seqlen_q, seqlen_k):
+                 m_block_end, n_it, seqlen_q, seqlen_k):
         # [3] Producer: K and V, then the Q, dO tiles (TMA) and LSE, D rows of each query block into a free stage
         # Thread 0's copies in CUDA's order, from copy `tile` on: -1 K and V, 2 it the Q tile of pair it,
         # 2 it + 1 its dO tile. Returns the first copy it could not issue yet (its stage still in use: CUDA
@@ -174,7 +173,7 @@ def make_flash_bwd_sm90(cfg):
             it = tile // 2
             stage = it % STAGES
             use = it // STAGES
-            head, m_block = pair(it, head_k, group, n_m, m_block_first)
+            head, m_block = pair(it, head_k, group, m_block_first, m_block_end)
             # each tile waits until the consumers are done with the stage's last use of it
             if tile % 2 == 0:
                 if use > 0 and not mbarrier_try_wait(bars, q_empty(stage), use - 1, Q_EMPTY_COUNT):
@@ -190,7 +189,7 @@ def make_flash_bwd_sm90(cfg):
         return tile
 
     @cuda.jit(device=True)
-    def producer_rows(it, bars, sLse, sD, lse, dsum, batch, head_k, group, m_block_first, n_m, n_it, seqlen_q,
+    def producer_rows(it, bars, sLse, sD, lse, dsum, batch, head_k, group, m_block_first, m_block_end, n_it, seqlen_q,
                       lane):
         # The producer's warp 1, from pair `it` on: LSE as exp2's offset (lse_to_log2_offset: +inf for a row
         # that saw no key, so its P is 0) and D; rows past seqlen_q take offset +inf and D 0 (they add
@@ -198,7 +197,7 @@ def make_flash_bwd_sm90(cfg):
         while it < n_it:
             stage = it % STAGES
             use = it // STAGES
-            head, m_block = pair(it, head_k, group, n_m, m_block_first)
+            head, m_block = pair(it, head_k, group, m_block_first, m_block_end)
             if use > 0 and not mbarrier_try_wait(bars, q_empty(stage), use - 1, Q_EMPTY_COUNT):
                 break
             for r in range(lane, BLOCK_M, 32):
@@ -330,39 +329,32 @@ def make_flash_bwd_sm90(cfg):
             acc_dq[j] = a
 
     @cuda.jit(device=True)
-    def turn_of(m_block, n_block, seqlen_q, seqlen_k, window_left, window_right):
-        # This key block's turn at m_block's dQ tile: after the key blocks n_block + 1 .. n_end - 1 of the
-        # query block's range (each of them visits it: m_block_range and n_block_range agree)
-        _, n_end = n_block_range(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, m_block)
-        return n_end - 1 - n_block
-
-    @cuda.jit(device=True)
-    def hand_on(semaphore, batch, head, m_block, turn, lane):
-        # The consumers' adds into the tile are fenced (CUDA: named_barrier_sync(kDqDone), the syncthreads
-        # before the turn warp's call): the next key block's turn
+    def turn_warp_wait(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block, seqlen_q, seqlen_k,
+                       window_left, window_right, lane):
+        # The turn warp (DETERMINISTIC, producer warp 2) at pair it: wait for the tile's turn (the key blocks
+        # before this one have added); the consumers' adds start at kDqReady, the syncthreads after this call
+        # (CUDA: named_barrier_arrive)
         if lane == 0:
-            cuda.atomic.exch(semaphore, (batch, head, m_block), turn + 1)  # CUDA: store_release
-
-    @cuda.jit(device=True)
-    def turn_warp(it, semaphore, batch, head_k, group, n_m, m_block_first, n_it, n_block, seqlen_q, seqlen_k,
-                  window_left, window_right, lane):
-        # The turn warp (DETERMINISTIC, producer warp 2) at pair it (n_it: after the last): hand the previous
-        # pair's tile on (CUDA keeps it as pending, pending_turn), then wait for this pair's turn; the
-        # consumers' adds start at kDqReady, the syncthreads after this call (CUDA: named_barrier_arrive)
-        if it > 0:
-            head, m_block = pair(it - 1, head_k, group, n_m, m_block_first)
-            hand_on(semaphore, batch, head, m_block,
-                    turn_of(m_block, n_block, seqlen_q, seqlen_k, window_left, window_right), lane)
-        if it < n_it and lane == 0:
-            head, m_block = pair(it, head_k, group, n_m, m_block_first)
-            turn = turn_of(m_block, n_block, seqlen_q, seqlen_k, window_left, window_right)
+            head, m_block = pair(it, head_k, group, m_block_first, m_block_end)
+            turn = dq_turn(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, m_block, n_block)
             # An atomic read (CUDA: load_acquire; a plain load could be hoisted out of the loop). Under the
             # simulator blocks run one after another, np.ndindex order over (nheads_k, batch, n_blocks): key
-            # blocks of a kv head from last to first, so the turns waited for have all been given by now; one
+            # blocks of a kv head from first to last, so the turns waited for have all been given by now; one
             # that has not would never come (a broken order): raise rather than hang.
             while cuda.atomic.add(semaphore, (batch, head, m_block), 0) != turn:
                 if SIMULATED:
                     raise RuntimeError("sm90 prototype: a dQ tile's turn was not given before its key block ran")
+
+    @cuda.jit(device=True)
+    def hand_on(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block, seqlen_q, seqlen_k,
+                window_left, window_right, lane):
+        # The turn warp, once the consumers have issued their adds into pair it's tile (CUDA:
+        # named_barrier_sync(kDqDone), the syncthreads before this call): the next key block's turn. No fence
+        # in the adding threads: the release is cumulative over what the barrier ordered before it
+        if lane == 0:
+            head, m_block = pair(it, head_k, group, m_block_first, m_block_end)
+            turn = dq_turn(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, m_block, n_block)
+            cuda.atomic.exch(semaphore, (batch, head, m_block), turn + 1)  # CUDA: store_release
 
     @cuda.jit(device=True)
     def release(bars, stage, tid):
@@ -407,10 +399,10 @@ def make_flash_bwd_sm90(cfg):
         rows_it = 0
         if cuda.threadIdx.x == 0:
             tile = producer(tile, bars, sK, sV, sQ, sdO, q, k, v, do, batch, head_k, group, key_begin,
-                            m_block_first, n_m, n_it, seqlen_q, seqlen_k)
+                            m_block_first, m_block_end, n_it, seqlen_q, seqlen_k)
         if cuda.threadIdx.x // 32 == 1:
-            rows_it = producer_rows(rows_it, bars, sLse, sD, lse, dsum, batch, head_k, group, m_block_first, n_m,
-                                    n_it, seqlen_q, cuda.threadIdx.x % 32)
+            rows_it = producer_rows(rows_it, bars, sLse, sD, lse, dsum, batch, head_k, group, m_block_first,
+                                    m_block_end, n_it, seqlen_q, cuda.threadIdx.x % 32)
         cuda.syncthreads()  # the copies have landed (CUDA: the consumers wait on kv_full, q_full, do_full)
 
         # Consumers (CUDA: setmaxnreg.inc). consumer -1: the producer warpgroup, holding nothing.
@@ -440,7 +432,7 @@ def make_flash_bwd_sm90(cfg):
 
         for it in range(n_it):
             stage = it % STAGES
-            head, m_block = pair(it, head_k, group, n_m, m_block_first)
+            head, m_block = pair(it, head_k, group, m_block_first, m_block_end)
             row_begin = m_block * BLOCK_M
             if consumer >= 0:
                 # ScoreMod of this (batch, head): the transform's constants and exp2's scale
@@ -477,16 +469,9 @@ def make_flash_bwd_sm90(cfg):
                     if not adds:
                         for j in range(DQ_CPT):
                             sDqX[it & 1, from_, dq_r % 32, lane + j * TPR] = acc_dq[j]
-                if IS_DETERMINISTIC and it > 0:
-                    # an iteration late: the last tile's adds land before the turn warp hands it on (CUDA:
-                    # then named_barrier_arrive(kDqDone))
-                    cuda.threadfence()
-            if IS_DETERMINISTIC:
-                if it > 0:
-                    cuda.syncthreads()  # CUDA: named barrier kDqDone (the consumers arrive, the turn warp syncs)
-                if cuda.threadIdx.x // 32 == TURN_WARP:
-                    turn_warp(it, semaphore, batch, head_k, group, n_m, m_block_first, n_it, n_block, seqlen_q,
-                              seqlen_k, window_left, window_right, cuda.threadIdx.x % 32)
+            if IS_DETERMINISTIC and cuda.threadIdx.x // 32 == TURN_WARP:
+                turn_warp_wait(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block, seqlen_q,
+                               seqlen_k, window_left, window_right, cuda.threadIdx.x % 32)
             if DQ_OWN_KEYS or IS_DETERMINISTIC:
                 # CUDA: named barrier kDqReady (the consumers sync, the turn warp arrives): sDqX's partials are
                 # in, this tile's turn has come
@@ -501,23 +486,19 @@ def make_flash_bwd_sm90(cfg):
                         c = dq_col0 + lane + j * TPR
                         if c < head_dim:  # CUDA: red.global.add.v2.f32
                             cuda.atomic.add(dq_accum, (batch, head, row, c), acc_dq[j])
+            if IS_DETERMINISTIC:
+                cuda.syncthreads()  # CUDA: named barrier kDqDone (the consumers arrive, the turn warp syncs)
+                if cuda.threadIdx.x // 32 == TURN_WARP:
+                    hand_on(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block, seqlen_q,
+                            seqlen_k, window_left, window_right, cuda.threadIdx.x % 32)
             cuda.syncthreads()  # end of the phase: the releases are in
             if cuda.threadIdx.x == 0:
                 tile = producer(tile, bars, sK, sV, sQ, sdO, q, k, v, do, batch, head_k, group, key_begin,
-                                m_block_first, n_m, n_it, seqlen_q, seqlen_k)
+                                m_block_first, m_block_end, n_it, seqlen_q, seqlen_k)
             if cuda.threadIdx.x // 32 == 1:
                 rows_it = producer_rows(rows_it, bars, sLse, sD, lse, dsum, batch, head_k, group, m_block_first,
-                                        n_m, n_it, seqlen_q, cuda.threadIdx.x % 32)
+                                        m_block_end, n_it, seqlen_q, cuda.threadIdx.x % 32)
             cuda.syncthreads()  # and the copies they allowed have landed
-
-        if IS_DETERMINISTIC and n_it > 0:
-            # the last tile's adds fenced (CUDA: then named_barrier_arrive(kDqDone)), the turn warp hands it on
-            if consumer >= 0:
-                cuda.threadfence()
-            cuda.syncthreads()  # CUDA: named barrier kDqDone
-            if cuda.threadIdx.x // 32 == TURN_WARP:
-                turn_warp(n_it, semaphore, batch, head_k, group, n_m, m_block_first, n_it, n_block, seqlen_q,
-                          seqlen_k, window_left, window_right, cuda.threadIdx.x % 32)
 
         # [10] Store dK * softmax_scale and dV
         # Through this consumer's rows of sK and sV, once every consumer's last dQ (which reads sK) has
