@@ -329,14 +329,22 @@ def make_flash_bwd_sm90(cfg):
             acc_dq[j] = a
 
     @cuda.jit(device=True)
+    def tile_turn(it, head_k, group, m_block_first, m_block_end, n_block, seqlen_q, seqlen_k, window_left,
+                  window_right):
+        # pair it's dQ tile (head, m_block) and this key block's turn at it
+        head, m_block = pair(it, head_k, group, m_block_first, m_block_end)
+        return head, m_block, dq_turn(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N,
+                                      m_block, n_block)
+
+    @cuda.jit(device=True)
     def turn_warp_wait(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block, seqlen_q, seqlen_k,
                        window_left, window_right, lane):
         # The turn warp (DETERMINISTIC, producer warp 2) at pair it: wait for the tile's turn (the key blocks
         # before this one have added); the consumers' adds start at kDqReady, the syncthreads after this call
         # (CUDA: named_barrier_arrive)
         if lane == 0:
-            head, m_block = pair(it, head_k, group, m_block_first, m_block_end)
-            turn = dq_turn(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, m_block, n_block)
+            head, m_block, turn = tile_turn(it, head_k, group, m_block_first, m_block_end, n_block, seqlen_q, seqlen_k,
+                                            window_left, window_right)
             # An atomic read (CUDA: load_acquire; a plain load could be hoisted out of the loop). Under the
             # simulator blocks run one after another, np.ndindex order over (nheads_k, batch, n_blocks): key
             # blocks of a kv head from first to last, so the turns waited for have all been given by now; one
@@ -352,8 +360,8 @@ def make_flash_bwd_sm90(cfg):
         # named_barrier_sync(kDqDone), the syncthreads before this call): the next key block's turn. No fence
         # in the adding threads: the release is cumulative over what the barrier ordered before it
         if lane == 0:
-            head, m_block = pair(it, head_k, group, m_block_first, m_block_end)
-            turn = dq_turn(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, m_block, n_block)
+            head, m_block, turn = tile_turn(it, head_k, group, m_block_first, m_block_end, n_block, seqlen_q, seqlen_k,
+                                            window_left, window_right)
             cuda.atomic.exch(semaphore, (batch, head, m_block), turn + 1)  # CUDA: store_release
 
     @cuda.jit(device=True)
