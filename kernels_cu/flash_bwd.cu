@@ -7,9 +7,9 @@
 // adding dQ's share dS K into an fp32 dQ accumulator in global memory (the workspace, config.BackwardWorkspace):
 // atomic adds as they come, or (kDeterministic) in a fixed order of key blocks (first to last,
 // backward.cuh's backward_pair and dq_turn), each dQ tile's turn kept by a semaphore, so that repeated calls
-// are bitwise identical. Preprocess zeroes the accumulator and the
-// semaphores; postprocess converts dQ_accum * softmax_scale to the input dtype. A row with LSE = -inf (it
-// saw no key) takes the offset +inf so that its P is exactly 0, never NaN.
+// are bitwise identical. Preprocess zeroes the accumulator and the semaphores; postprocess converts
+// dQ_accum * softmax_scale to the input dtype. A row with LSE = -inf (it saw no key) takes the offset +inf so
+// that its P is exactly 0, never NaN.
 //
 // Fragment layouts (mma.sync m16n8k16, ldmatrix) are spelled out in mma.cuh.
 //
