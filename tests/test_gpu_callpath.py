@@ -163,8 +163,8 @@ def test_grad_out_arguments(gpu, kind):
             assert _bits_equal(gpu, x, z) == 0, f"{name}=: differs from the allocated gradient"
     dk_only = _as(kind, gpu.nan_like(_cupy(k)))
     got = cf.flash_attn_backward(do, q, k, v, o, lse, causal=True, dk=dk_only)
-    # dk's bits are the same from call to call of one mode, not across modes (the Hopper backward's
-    # deterministic mode visits query blocks in another order)
+    # dk's bits are the same from call to call of one mode, not across modes (the deterministic mode visits
+    # query blocks in another order)
     atomic = cf.flash_attn_backward(do, q, k, v, o, lse, causal=True)
     assert got[1] is dk_only and _bits_equal(gpu, got[1], atomic[1]) == 0
     with pytest.raises(ValueError, match="dq: must not share memory with dout"):

@@ -133,7 +133,8 @@ def test_hopper_backward_is_the_default_where_it_serves(hopper):
         ws = cp.empty(_params.workspace_layout(q, None, kw.get("deterministic", False)).nbytes, cp.uint8)
         return cuda.backward_launches(q, q, k, v, o, lse, *grads, ws, causal=True, softmax_scale=d ** -0.5, **kw)
 
-    assert isinstance(launches(128), cuda.TmaLaunches) and isinstance(launches(64, deterministic=True), cuda.TmaLaunches)
+    assert isinstance(launches(128), cuda.TmaLaunches)
+    assert isinstance(launches(64, deterministic=True), cuda.TmaLaunches)
     for d, kw in ((256, {}), (128, {"softcap": 30.0})):
         assert not isinstance(launches(d, **kw), cuda.TmaLaunches), (d, kw)
     with cuflash.kernel_family("mma"):
