@@ -343,10 +343,10 @@ def choose_backward(dtype, head_dim: int, variant: int, *, key_slabs: int = 0, s
 # What flash_fwd_sm90 does not serve (choose_forward sends it to flash_fwd): per-sequence row offsets and key
 # counts, whose tiles TMA boxes over the whole array would not respect.
 SM90_UNSERVED = VARLEN | SEQUSED | PAGED
-# flash_bwd_sm90 serves what flash_fwd_sm90 does. Above d = 64 the softcap's derivative and dropout's keep
-# mask take registers it lacks (the compile gate: spills).
+# flash_bwd_sm90 serves what flash_fwd_sm90 does. Above d = 64 the softcap's derivative (a tile of registers
+# from [5] to [7]) takes registers it lacks (the compile gate: spills); dropout's keep mask does not.
 SM90_BWD_UNSERVED = SM90_UNSERVED
-SM90_BWD_UNSERVED_ABOVE_64 = SOFTCAP | DROPOUT
+SM90_BWD_UNSERVED_ABOVE_64 = SOFTCAP
 
 
 def sm90_serves_backward(head_dim: int, variant: int) -> bool:
