@@ -376,11 +376,15 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
             }
         acc_to_smem<T, kNTilesQ, kPPitch>(sdS, acc_dp, key_row0, q_col0, lane, 1.f);
         // kDeterministic: hand the previous tile on, then wait for this tile's turn. The release is cumulative:
-        // every thread's adds, ordered before it by the barriers since, are visible to whoever acquires the
-        // new count (as CUTLASS's semaphore: no fence in the adding threads). An iteration late, so that the
-        // release rarely waits for adds in flight.
+        // every thread's adds, ordered before it by the barriers, are visible to whoever acquires the new count
+        // (as CUTLASS's semaphore: no fence in the adding threads). An iteration late, so that the release
+        // rarely waits for adds in flight. (The barrier here is not needed for that, but without it ptxas
+        // spills the every-variant d = 64 config on sm_90.)
         if constexpr (kIsDeterministic) {
-            if (pending != nullptr && tid == 0) store_release(pending, pending_turn + 1);
+            if (pending != nullptr) {
+                __syncthreads();
+                if (tid == 0) store_release(pending, pending_turn + 1);
+            }
             pending = semaphore;
             pending_turn = turn;
             if (tid == 0) {

@@ -315,9 +315,11 @@ def make_flash_bwd(cfg):
             if IS_DETERMINISTIC:
                 turn = dq_turn(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, m_block,
                                n_block)
-                if tid == 0:
-                    if pending >= 0:
+                if pending >= 0:
+                    cuda.syncthreads()  # CUDA: a barrier ptxas needs there (flash_bwd.cu)
+                    if tid == 0:
                         cuda.atomic.exch(semaphore, (batch, pending_head, pending), pending_turn + 1)  # store_release
+                if tid == 0:
                     # an atomic read (load_acquire in flash_bwd.cu): a plain load could be hoisted out of
                     # the loop. Under the simulator blocks run one after another, np.ndindex order over
                     # (nheads_k, batch, n_blocks): key blocks of a kv head from first to last, so the
