@@ -258,6 +258,16 @@ def check_count(name: str, value) -> int:
     return int(value)
 
 
+def check_num_splits(value) -> int:
+    """num_splits: an int in [0, MAX_SPLITS] (0: the library chooses)."""
+    from .config import MAX_SPLITS
+
+    n = check_count("num_splits", value)
+    if n > MAX_SPLITS:
+        raise ValueError(f"num_splits: expected an int in [0, {MAX_SPLITS}] (0: chosen per call), got {n}")
+    return n
+
+
 def check_alibi_slopes(slopes, batch: int, nheads: int) -> None:
     """alibi_slopes: a float32 array of shape (nheads,) or (batch, nheads)."""
     check_array("alibi_slopes", slopes)

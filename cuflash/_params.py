@@ -49,6 +49,10 @@ BWD_PARAMS = np.dtype(
     align=True,
 )
 
+# flash_decode's params (DecodeParams): FwdParams, the split partials and their count.
+DECODE_PARAMS = np.dtype([("fwd", FWD_PARAMS), ("o_partial", _ptr), ("lse_partial", _ptr), ("num_splits", _i32)],
+                         align=True)
+
 # flash_fwd_sm90's params: FwdParams, then one CUtensorMap (128 bytes, 64-byte aligned) for each of q, k, v,
 # written by cuflash/_tma.py.
 TENSOR_MAP_BYTES = 128

@@ -480,8 +480,8 @@ def _append(k_cache, v_cache, k, v, cache_seqlens, block_table, capacity: int) -
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None, causal=False,
-                            softmax_scale=None, window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, return_lse=False,
-                            backend="auto", check_inputs=False):
+                            softmax_scale=None, window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, num_splits=0,
+                            return_lse=False, backend="auto", check_inputs=False):
     """Attention of q over a KV cache (decoding, speculative decoding, chunked prefill), forward only:
     o, or with return_lse=True (o, lse).
 
@@ -495,6 +495,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     bottom-right (query i sees keys j <= i + seqlen_k[b] - seqlen_q). window, softcap, alibi_slopes as
     for flash_attn_forward; lse (batch, nheads, seqlen_q).
 
+    num_splits: how many thread blocks share each entry's keys on the GPU (split-KV: each computes a partial
+    result over its share, and a second kernel merges them exactly); 0 (the default) chooses per call, so that
+    small batches still fill the GPU. It changes rounding only, never the result beyond it. The CUDA backend
+    honours it where its decode kernel serves the call (fp16 / bf16 without ALiBi, and seqlen_q * nheads /
+    nheads_k <= 64 rows or num_splits > 1), the Numba backend always; the NumPy backend computes unsplit.
+
     cache_seqlens and block_table held on the host are always checked (capacity, page indices in
     [0, num_pages)); device arrays only with check_inputs=True (it costs a sync). Unchecked device
     values never reach outside the caches: counts are clamped to [0, capacity] (a negative count as 0),
@@ -507,6 +513,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     causal = _checks.check_flag("causal", causal)
     return_lse = _checks.check_flag("return_lse", return_lse)
     check_inputs = _checks.check_flag("check_inputs", check_inputs)
+    num_splits = _checks.check_num_splits(num_splits)
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _checks.check_ndim(name, x, "bshd")
     dt = _checks.check_dtype("q", q)
@@ -546,7 +553,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         bt = call.working("block_table", block_table)
         if b and sq and h:
             call.be.kvcache_forward(*ins, counts, bt, causal=causal, softmax_scale=scale, out=o_work, lse=lse,
-                                    **_working_variants(call, vkw))
+                                    num_splits=num_splits, **_working_variants(call, vkw))
     o, lse_out = call.result(o_arr), call.result(lse_arr)
     return (o, lse_out) if return_lse else o
 

@@ -46,6 +46,8 @@ SOURCES = {
     "flash_fwd_simt": "flash_fwd_simt.cu",
     "flash_bwd_dkdv_simt": "flash_bwd_simt.cu",
     "flash_bwd_dq_simt": "flash_bwd_simt.cu",
+    "flash_decode": "flash_decode.cu",
+    "flash_decode_combine": "flash_decode.cu",
 }
 
 
@@ -56,6 +58,8 @@ TEMPLATE_PARAMS = {k: _TEMPLATE_PARAMS for k in SOURCES} | {
     # D = rowsum(dO * O) and dQ = dQ_accum * softmax_scale: any head dim, VARLEN alone
     "flash_bwd_preprocess": ("dtype", "block_m", "warps", "variant"),
     "flash_bwd_postprocess": ("dtype", "block_m", "warps", "variant"),
+    # the split-KV merge: one warp per query row, any variant
+    "flash_decode_combine": ("dtype", "head_dim", "warps"),
 }
 
 
@@ -173,6 +177,8 @@ _TILES: dict[str, dict[int, tuple[int, int, int]]] = {
                             160: (32, 16, 4), 192: (32, 16, 4), 224: (16, 16, 4), 256: (16, 16, 4)},
     "flash_bwd_dq_simt": {32: (64, 32, 4), 64: (64, 32, 4), 96: (32, 32, 4), 128: (32, 32, 4),
                           160: (32, 16, 4), 192: (32, 16, 4), 224: (16, 16, 4), 256: (16, 16, 4)},
+    # Decoding (flash_decode.cu): 16 packed query rows, 4 warps, each streaming 16 keys of every 64-key block
+    "flash_decode": {d: (16, 64, 4) for d in HEAD_DIMS},
 }
 
 
@@ -224,6 +230,10 @@ def smem_bytes(cfg: KernelConfig) -> int:
         stage = 2 * bm * row * e + 2 * bm * 4
         stages = 2 if fixed + 2 * stage <= SMEM_LIMIT[80] else 1  # kStages: two buffers where sm_80 fits them
         return fixed + stages * stage
+    if cfg.kernel == "flash_decode":  # Q tile; per warp decode_stages slots of K and V (kWarpKeys = bn / warps rows)
+        return (bm + 2 * decode_stages(cfg) * bn) * row * e
+    if cfg.kernel == "flash_decode_combine":
+        return 0
     if cfg.kernel == "flash_fwd_simt":  # Q, K, V tiles (rows padded by 16 bytes); P tile (rows padded by 8)
         srow = d + 16 // e
         return (bm * srow + 2 * bn * srow + bm * (bn + 8)) * e
@@ -356,6 +366,48 @@ def sm90_serves_backward(head_dim: int, variant: int) -> bool:
     return head_dim <= 64 or not variant & SM90_BWD_UNSERVED_ABOVE_64
 
 
+# Decoding over a KV cache (flash_decode, flash_attn_with_kvcache): the query heads of a GQA group are packed
+# into 16-row tiles (seqlen_q * group rows per kv head), and the keys split over up to MAX_SPLITS blocks. Up
+# to DECODE_MAX_ROWS packed rows the decode kernel serves a call (beyond, flash_fwd's 128-row tiles do,
+# unless num_splits > 1 is asked for); ALiBi (a slope per packed row) and fp32 / fp64 take flash_fwd(_simt).
+DECODE_MAX_ROWS = 64
+MAX_SPLITS = 128
+DECODE_UNSERVED = ALIBI | DROPOUT | VARLEN
+
+
+def choose_decode(dtype, head_dim: int, variant: int, *, packed_rows: int, num_splits: int = 0,
+                  family: str | None = None) -> tuple[KernelConfig, KernelConfig] | None:
+    """(flash_decode, flash_decode_combine) configs of a KV-cache call, or None where flash_fwd serves it:
+    another dtype, a variant in DECODE_UNSERVED, more than DECODE_MAX_ROWS packed rows (seqlen_q * group)
+    without num_splits > 1, or family "sm90" (which serves no KV-cache call)."""
+    dt = dtype_name(dtype)
+    if (dt not in TENSOR_CORE_DTYPES or variant & DECODE_UNSERVED or family == "sm90"
+            or (packed_rows > DECODE_MAX_ROWS and num_splits <= 1)):
+        return None
+    main = _make("flash_decode", dt, head_dim, variant | SEQUSED)
+    return main, KernelConfig("flash_decode_combine", dt, main.head_dim, 0, 0, 4, 0)
+
+
+def decode_stages(cfg: KernelConfig) -> int:
+    """flash_decode's kStages (decode_stages in flash_decode.cu): 3 where the block fits in sm_80's shared
+    memory, else 2."""
+    row = (cfg.head_dim + 8) * 2
+    return 3 if (cfg.block_m + 2 * 3 * cfg.block_n) * row <= SMEM_LIMIT[80] else 2
+
+
+def decode_splits(tiles: int, key_blocks: int, sms: int, blocks_per_sm: int) -> int:
+    """num_splits=0's choice: tiles (batch * nheads_k * packed query blocks) that fill less than 80 % of a wave
+    of sms * blocks_per_sm blocks are split, into the fewest splits whose last wave is within 85 % of the
+    fullest possible, at most one key block per split and MAX_SPLITS."""
+    wave = sms * blocks_per_sm
+    if tiles <= 0 or tiles >= 0.8 * wave:
+        return 1
+    top = max(1, min(MAX_SPLITS, key_blocks))
+    fill = [tiles * s / (ceil_div(tiles * s, wave) * wave) for s in range(1, top + 1)]
+    best = max(fill)
+    return next(s for s, f in enumerate(fill, 1) if f >= 0.85 * best)
+
+
 def sm90_stages(cfg: KernelConfig) -> int:
     """Sm90FwdSmem::kStages: the stages of K and V that fit beside Q in sm_90's shared memory, up to 4."""
     q, kv = cfg.block_m * cfg.head_dim * 2, cfg.block_n * cfg.head_dim * 2
@@ -421,11 +473,14 @@ GATED_VARIANTS = (0, LOCAL, ALL_VARIANTS)  # (choose_forward drops DETERMINISTIC
 # entry point makes) the d=64 tensor-core forward spills on sm_90.
 KVCACHE_VARIANTS = LOCAL | WINDOW | SOFTCAP | ALIBI | SEQUSED | PAGED
 GATED_FORWARD_VARIANTS = (SEQUSED | PAGED, KVCACHE_VARIANTS & ~PAGED, KVCACHE_VARIANTS)
+# flash_decode: a dense and a paged cache alone, and every variant it serves, dense and paged.
+GATED_DECODE_VARIANTS = (SEQUSED, SEQUSED | PAGED, KVCACHE_VARIANTS & ~(ALIBI | PAGED), KVCACHE_VARIANTS & ~ALIBI)
 
 
 def all_configs() -> list[KernelConfig]:
     """The configs the compile gate checks and `cuflash compile` builds (GATED_VARIANTS, with the backward's
-    small-grid tiles, and GATED_FORWARD_VARIANTS for the forward; the Hopper kernels' for GATED_VARIANTS,
+    small-grid tiles, and GATED_FORWARD_VARIANTS for the forward, GATED_DECODE_VARIANTS for flash_decode (with
+    its combine); the Hopper kernels' for GATED_VARIANTS,
     ALL_VARIANTS less what it does not serve)."""
     out: list[KernelConfig] = []
     for dt in DTYPES:
@@ -435,6 +490,8 @@ def all_configs() -> list[KernelConfig]:
                         choose_backward(dt, d, variant, key_slabs=1, seqlen_k=1, sms=1 << 20)[1]]  # small grids
                 out.extend(c for c in cfgs if c not in out)
             out.extend(c for c in (choose_forward(dt, d, v) for v in GATED_FORWARD_VARIANTS) if c not in out)
+            decode = [choose_decode(dt, d, v, packed_rows=1) for v in GATED_DECODE_VARIANTS]
+            out.extend(c for pair in decode if pair for c in pair if c not in out)
             hopper = [choose_forward(dt, d, v, compute_capability=90) for v in (0, LOCAL, ALL_VARIANTS & ~SM90_UNSERVED)]
             bwd_all = ALL_VARIANTS & ~SM90_BWD_UNSERVED
             hopper += [choose_backward(dt, d, v, compute_capability=90)[1]

@@ -80,7 +80,12 @@ struct Mask {
     // [2] Key blocks a query block visits: [lo, hi), those some row of the block sees (lo >= hi: none)
     template <int kBlockM, int kBlockN>
     __device__ __forceinline__ void n_block_range(int m_block, int& lo, int& hi) const {
-        const int row0 = m_block * kBlockM, row1 = min(row0 + kBlockM, seqlen_q);
+        const int row0 = m_block * kBlockM;
+        key_block_range<kBlockN>(row0, min(row0 + kBlockM, seqlen_q), lo, hi);
+    }
+    // The same for query rows [row0, row1) (flash_decode: the rows of a packed GQA tile)
+    template <int kBlockN>
+    __device__ __forceinline__ void key_block_range(int row0, int row1, int& lo, int& hi) const {
         const int c0 = col_lo(row0), c1 = col_hi(row1 - 1);
         lo = c0 / kBlockN;
         hi = c1 > c0 ? ceil_div(c1, kBlockN) : lo;
@@ -99,10 +104,13 @@ struct Mask {
     // [4] Does a tile hold a score some row must not see? (it crosses seqlen_k, or a window edge)
     template <int kBlockM, int kBlockN>
     __device__ __forceinline__ bool needs_mask(int m_block, int n_block) const {
-        const int col0 = n_block * kBlockN, col1 = col0 + kBlockN;
+        const int row0 = m_block * kBlockM;
+        return tile_needs_mask(row0, min(row0 + kBlockM, seqlen_q), n_block * kBlockN, (n_block + 1) * kBlockN);
+    }
+    // The same for query rows [row0, row1) and keys [col0, col1)
+    __device__ __forceinline__ bool tile_needs_mask(int row0, int row1, int col0, int col1) const {
         if (col1 > seqlen_k) return true;
         if (!kIsLocal) return false;
-        const int row0 = m_block * kBlockM, row1 = min(row0 + kBlockM, seqlen_q);
         return col1 - 1 > row0 + shift + right() || (kHasWindow && col0 < row1 - 1 + shift - left());
     }
 };

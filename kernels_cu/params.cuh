@@ -82,6 +82,16 @@ struct BwdParams {
     long long dq_semaphore_batch_stride, dq_semaphore_head_stride;
 };
 
+// Decoding over a KV cache (flash_decode.cu): FwdParams (k, v: the caches; kSeqused, and kPaged for page
+// pools) and the split-KV partials. With num_splits > 1 each split of an entry's keys writes its own O
+// (normalized over its keys) and LSE, fp32, and flash_decode_combine merges them into o and lse.
+struct DecodeParams {
+    FwdParams fwd;
+    float* o_partial;    // [split, batch, head, row, kHeadDim] (the compiled head dim), contiguous
+    float* lse_partial;  // [split, batch, head, row]; -inf: that split saw no key of the row
+    int num_splits;      // 1: flash_decode writes o and lse itself (no partials, no combine)
+};
+
 // The Hopper forward (flash_fwd_sm90.cu) reads q, k and v through the bulk tensor copy engine: FwdParams
 // plus one tensor map per array, encoded on the host (cuflash/_tma.py). A CUtensorMap is 128 opaque bytes,
 // 64-byte aligned.

@@ -44,7 +44,8 @@ def test_layouts_match_header():
     pytest.importorskip("cuda.bindings")
     want = []
     for struct, dtype in (("FwdParams", _params.FWD_PARAMS), ("BwdParams", _params.BWD_PARAMS),
-                          ("FwdSm90Params", _params.FWD_SM90_PARAMS), ("BwdSm90Params", _params.BWD_SM90_PARAMS)):
+                          ("FwdSm90Params", _params.FWD_SM90_PARAMS), ("BwdSm90Params", _params.BWD_SM90_PARAMS),
+                          ("DecodeParams", _params.DECODE_PARAMS)):
         want.append((f"sizeof({struct})", f"sizeof(cuflash::{struct})", dtype.itemsize))
         want += [(f"{struct}.{path}", f"(unsigned long long)&(((cuflash::{struct}*)0)->{path})", off)
                  for path, off in _fields(struct, dtype)]
@@ -65,7 +66,8 @@ def test_field_count_matches_header():
     """Every field declared in the header is in the dtype (names and order)."""
     text = (_compile.kernels_dir() / "params.cuh").read_text()
     for struct, dtype in (("FwdParams", _params.FWD_PARAMS), ("BwdParams", _params.BWD_PARAMS),
-                          ("FwdSm90Params", _params.FWD_SM90_PARAMS), ("BwdSm90Params", _params.BWD_SM90_PARAMS)):
+                          ("FwdSm90Params", _params.FWD_SM90_PARAMS), ("BwdSm90Params", _params.BWD_SM90_PARAMS),
+                          ("DecodeParams", _params.DECODE_PARAMS)):
         body = re.search(rf"struct {struct} \{{(.*?)\n\}};", text, re.S).group(1)
         body = re.sub(r"//[^\n]*", "", body)
         names = []

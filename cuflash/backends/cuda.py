@@ -16,7 +16,7 @@ import numpy as np
 from .. import _compile, _params, _tma
 from .._checks import check_batch
 from .._interop import gpu_status
-from ..config import choose_backward, choose_forward, ceil_div, forced_family
+from ..config import choose_backward, choose_decode, choose_forward, ceil_div, decode_splits, forced_family
 
 ON_DEVICE = True
 MIN_COMPUTE_CAPABILITY = 80  # mma.sync m16n8k16 with bf16 and cp.async need sm_80
@@ -164,6 +164,53 @@ def backward_launches(do, q, k, v, o, lse, dq, dk, dv, workspace, *, causal: boo
     return Launches(p, [(cfg, grid(cfg)) for cfg in cfgs])
 
 
+def decode_launches(q, k_cache, v_cache, o, lse, partial, *, kvcache, num_splits: int, causal: bool,
+                    softmax_scale: float, **variants) -> Launches | None:
+    """The KV-cache forward through flash_decode (and flash_decode_combine when split), or None where
+    config.choose_decode leaves the call to flash_fwd. num_splits: 0 picks (decode_splits); partial(n): a
+    device buffer of n bytes for the split partials, asked for only when the call splits."""
+    b, sq, h, d = q.shape
+    group = h // k_cache.shape[2]
+    variant = _params.variant(causal, kvcache=kvcache, **variants)
+    pair = choose_decode(q.dtype, d, variant, packed_rows=sq * group, num_splits=num_splits, family=forced_family())
+    if pair is None:
+        return None
+    main, combine = pair
+    p = _params.fwd_params(q, k_cache, v_cache, o, lse, softmax_scale, causal, kvcache=kvcache, **variants)
+    check_batch(b)
+    hk, capacity = k_cache.shape[2], int(p["seqlen_k"])
+    m_blocks = ceil_div(sq * group, main.block_m)
+    key_blocks = max(1, ceil_div(capacity, main.block_n))
+    if num_splits == 0:
+        num_splits = decode_splits(b * hk * m_blocks, key_blocks, _multiprocessors(), _blocks_per_sm(main))
+    num_splits = max(1, min(num_splits, key_blocks))
+    dp = np.zeros((), dtype=_params.DECODE_PARAMS)
+    dp["fwd"], dp["num_splits"] = p, num_splits
+    kernels, buf = [(main, (m_blocks * num_splits, hk, b))], None
+    if num_splits > 1:
+        rows = b * h * sq
+        buf = partial(num_splits * rows * (main.head_dim + 1) * 4)
+        dp["o_partial"] = buf.data.ptr
+        dp["lse_partial"] = buf.data.ptr + num_splits * rows * main.head_dim * 4
+        kernels.append((combine, (ceil_div(rows, combine.warps), 1, 1)))
+    launches = Launches(dp, kernels)
+    launches.partial = buf  # held until the launches are run and dropped (stream-ordered reuse after that)
+    return launches
+
+
+def _blocks_per_sm(cfg) -> int:
+    """Blocks of cfg that one SM of the current device holds at once (the driver's occupancy: registers, shared
+    memory, threads)."""
+    from cupy.cuda import driver, runtime
+
+    return _occupancy(cfg, runtime.getDevice(), driver.occupancyMaxActiveBlocksPerMultiprocessor)
+
+
+@functools.lru_cache(maxsize=None)
+def _occupancy(cfg, device: int, occupancy) -> int:
+    return max(1, int(occupancy(int(_compile.kernel(cfg).kernel.ptr), cfg.threads, cfg.smem_bytes)))
+
+
 @functools.lru_cache(maxsize=None)
 def _device_multiprocessors(device: int) -> int:
     import cupy
@@ -241,16 +288,26 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seq
     return out, lse
 
 
-def kvcache_forward(q, k_cache, v_cache, seqlens_k, block_table=None, *, out, lse, **kwargs):
+def kvcache_forward(q, k_cache, v_cache, seqlens_k, block_table=None, *, out, lse, num_splits=0, **kwargs):
     """Attention of q over a KV cache, read in place: dense (batch, capacity, heads_k, head_dim), or page
     pools (num_pages, page_size, heads_k, head_dim) with block_table int32 (batch, max_pages). seqlens_k
     int32 (batch,) on the device: each entry's key count, which the kernels clamp to the capacity (no
-    value reads outside the cache; a page outside the pool reads as zeros)."""
+    value reads outside the cache; a page outside the pool reads as zeros). flash_decode serves it where
+    it can (decode_launches), with num_splits splits of the keys (0: chosen here); flash_fwd elsewhere."""
     import cupy
 
     bt = None if block_table is None else cupy.ascontiguousarray(block_table)
     kvcache = (cupy.ascontiguousarray(seqlens_k), bt)
-    forward(q, k_cache, v_cache, out=out, lse=lse, kvcache=kvcache, **kwargs)
+    q, k_cache, v_cache = _ready(q), _ready(k_cache), _ready(v_cache)
+    o = _result_buffer(out)
+    launches = decode_launches(q, k_cache, v_cache, o, lse, lambda n: cupy.empty(n, dtype=cupy.uint8),
+                               kvcache=kvcache, num_splits=num_splits, **kwargs)
+    if launches is None:
+        forward(q, k_cache, v_cache, out=o, lse=lse, kvcache=kvcache, **kwargs)
+    else:
+        launches.run(_current_stream())
+    if o is not out:
+        out[...] = o
     return out, lse
 
 

@@ -372,7 +372,7 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seq
     return o[0], lse_out[0]
 
 
-def kvcache_forward(q, k_cache, v_cache, seqlens_k, block_table=None, *, out=None, lse=None, **kwargs):
+def kvcache_forward(q, k_cache, v_cache, seqlens_k, block_table=None, *, out=None, lse=None, num_splits=0, **kwargs):
     """Attention of q over a KV cache read in place (dense, or page pools with block_table), each entry
     over its seqlens_k[b] keys, clamped as the CUDA backend's kernels clamp them."""
     return forward(q, k_cache, v_cache, out=out, lse=lse, kvcache=(seqlens_k, block_table), **kwargs)

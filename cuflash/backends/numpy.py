@@ -352,11 +352,12 @@ def _cache_keys(cache, i: int, n: int, block_table):
 
 
 def kvcache_forward(q, k_cache, v_cache, seqlens_k, block_table=None, *, out=None, lse=None, alibi_slopes=None,
-                    **kwargs):
+                    num_splits=0, **kwargs):
     """Attention of q (batch, seqlen_q, nheads, head_dim) over a KV cache, entry by entry through
     `forward`: entry b sees its first seqlens_k[b] keys (clamped to the cache's capacity, a negative
     count as 0, as the kernels do). The cache is dense (batch, capacity, nheads_k, head_dim), or page
     pools (num_pages, page_size, nheads_k, head_dim) with block_table int32 (batch, max_pages).
+    num_splits (the GPU's split-KV) does not apply: each entry is computed whole.
     Returns (o like q, lse (batch, nheads, seqlen_q) in the accumulator dtype)."""
     batch = q.shape[0]
     capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]

@@ -1,0 +1,345 @@
+// FlashAttention over a KV cache for few query rows (decoding): split-KV and GQA heads packed into the query
+// tile (fp16 / bf16 storage, mma.sync, fp32 accumulation). Reached from flash_attn_with_kvcache.
+//
+// A decode step has one query row (a few when speculating) per (entry, head) and a long cache: the prefill
+// kernel's 128-row query tiles would be almost empty, its grid (query blocks, heads, batch) too small to
+// fill the GPU, and each head of a GQA group would stream the same K and V again. Here:
+// - a block's kBlockM = 16 rows are packed (query row, head of the group) pairs of one kv head: packed row r
+//   is query row r / group of head head_k * group + r % group, so the group's heads share one read of K, V;
+// - an entry's key blocks are shared out over num_splits blocks (grid x = split * m_blocks + m_block), each
+//   writing its partial O (normalized over its keys) and LSE in fp32; flash_decode_combine merges them
+//   exactly. With one split the block writes o and lse itself;
+// - inside a block, warp w streams keys [w * kWarpKeys, (w + 1) * kWarpKeys) of every kBlockN-key block
+//   through a kStages-deep cp.async ring of its own, with an online softmax of its own: no block barrier
+//   in the loop. The warps' states are merged once, through shared memory, at the end.
+// The stream of K and V is the cost; stages x warps x blocks per SM keep enough of it in flight.
+//
+// Shared memory (16-bit elements, row pitch kHeadDim + 8, see copy.cuh):
+//   sQ [16][pitch]; per warp kStages slots of (K [kWarpKeys][pitch], V [kWarpKeys][pitch])
+//   after the loop the ring holds the merge: sO [kNWarps][16][kHeadDim], sMax, sSum [kNWarps][16] (fp32)
+//   config.smem_bytes: (16 + 2 * kStages * block_n) * (head_dim + 8) * 2
+//
+// Variants: the mask (causal, window; the row of packed row r is r / group), the softcap, a paged cache
+// (kPaged); kSeqused always. ALiBi (a slope per head: per packed row) takes the prefill kernel.
+#include "params.cuh"
+#include "common.cuh"
+#include "seqinfo.cuh"
+#include "mask.cuh"
+#include "mma.cuh"
+#include "copy.cuh"
+#include "softmax.cuh"
+
+namespace cuflash {
+
+// Stages of each warp's ring: 3 where a block fits in sm_80's shared memory, else 2 (config.decode_stages).
+__host__ __device__ constexpr int decode_stages(int head_dim, int block_n) {
+    return (16 + 2 * 3 * block_n) * (head_dim + 8) * 2 <= static_cast<int>(kSmemPortable) ? 3 : 2;
+}
+
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kVariant>
+__global__ void __launch_bounds__(kNWarps * 32, 1) flash_decode(const __grid_constant__ DecodeParams dp) {
+    static_assert(sizeof(T) == 2, "tensor-core kernel: __half or __nv_bfloat16");
+    static_assert(kBlockM == 16, "one 16-row m-tile of packed rows, shared by every warp");
+    static_assert((kVariant & kSeqused) != 0 && (kVariant & (kAlibi | kDropout | kVarlen)) == 0,
+                  "KV-cache calls; ALiBi, dropout and varlen take flash_fwd");
+    constexpr int kWarpKeys = kBlockN / kNWarps;  // keys of each key block one warp takes
+    static_assert(kHeadDim % 32 == 0 && kWarpKeys % 16 == 0, "16-wide k-slices; 32 lanes over the head dim");
+    constexpr int kPitch = kHeadDim + 8;
+    constexpr int kStages = decode_stages(kHeadDim, kBlockN);
+    constexpr int kNTilesS = kWarpKeys / 8;     // 8-key n-tiles of a warp's S
+    constexpr int kNTilesO = kHeadDim / 8;      // 8-dim n-tiles of O
+    constexpr int kKSlicesQK = kHeadDim / 16;   // k-slices of Q K^T (over head dim)
+    constexpr int kKSlicesPV = kWarpKeys / 16;  // k-slices of P V (over keys)
+    constexpr bool kQInRegs = kHeadDim <= 128;  // Q's A fragments: registers, or re-read from sQ
+    constexpr int kSlot = 2 * kWarpKeys * kPitch;  // elements of one stage of one warp: K, then V
+    constexpr unsigned kRingBytes = kNWarps * kStages * kSlot * sizeof(T);
+    constexpr unsigned kSmemBytes = kBlockM * kPitch * sizeof(T) + kRingBytes;
+    static_assert(kNWarps * kBlockM * (kHeadDim + 2) * sizeof(float) <= kRingBytes, "the merge fits in the ring");
+    constexpr bool kIsPaged = (kVariant & kPaged) != 0;
+    using Mod = ScoreMod<float, kVariant, true>;
+    const FwdParams& p = dp.fwd;
+
+    unsigned dyn_smem;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+    if (dyn_smem < kSmemBytes) __trap();
+
+    extern __shared__ __align__(16) char smem[];
+    T* sQ = reinterpret_cast<T*>(smem);
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int g = lane >> 2, t = lane & 3;
+    T* sRing = sQ + kBlockM * kPitch + warp * kStages * kSlot;  // this warp's stages
+
+    // [1] Block coordinates: packed query block, split, kv head, batch; the mask gives the key blocks, the split its share
+    const int m_blocks = gridDim.x / dp.num_splits;
+    const int m_block = blockIdx.x % m_blocks, split = blockIdx.x / m_blocks;
+    const int head_k = blockIdx.y, batch = blockIdx.z;
+    const SeqInfo<false, true> seq(p, batch);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, head_dim = p.head_dim;
+    const int group = p.nheads / p.nheads_k, packed_rows = seqlen_q * group;
+    const int r0 = m_block * kBlockM, r1 = min(r0 + kBlockM, packed_rows);
+    const int row_lo = r0 / group, row_hi = (r1 - 1) / group + 1;  // the query rows of the tile
+    const Mask<kVariant> mask(p, seqlen_q, seqlen_k);
+    const Mod mod(p, batch, 0, mask.shift);  // no per-head term: ALiBi is not served here
+    int n_lo, n_hi;
+    mask.template key_block_range<kBlockN>(row_lo, row_hi, n_lo, n_hi);
+    const int per_split = ceil_div(max(n_hi - n_lo, 0), dp.num_splits);
+    const int n_begin = n_lo + split * per_split;
+    const int n_count = max(min(n_hi, n_begin + per_split) - n_begin, 0);
+
+    // [2] Load the Q tile: packed row r is query row r / group of head head_k * group + r % group
+    {
+        constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+        const T* q = static_cast<const T*>(p.q) + seq.q_offset(batch, p.q_batch_stride, p.q_row_stride) +
+                     head_k * group * p.q_head_stride;
+        for (int c = tid; c < kBlockM * kChunks; c += kNWarps * 32) {
+            const int r = c / kChunks, col = (c % kChunks) * 8, pr = r0 + r;
+            const bool valid = pr < packed_rows && col < head_dim;
+            const T* src = valid ? q + (pr / group) * p.q_row_stride + (pr % group) * p.q_head_stride + col : q;
+            cp_async_16(smem_u32(sQ + r * kPitch + col), src, valid);
+        }
+        cp_async_commit();
+    }
+
+    // [3] Each warp: its slice of the first key blocks into its own ring of stages
+    const auto k_rows = key_rows<kIsPaged, T>(p, seq, p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride,
+                                              batch, head_k);
+    const auto v_rows = key_rows<kIsPaged, T>(p, seq, p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride,
+                                              batch, head_k);
+    auto load_stage = [&](int i) {
+        const int key0 = (n_begin + i) * kBlockN + warp * kWarpKeys;
+        // A slice wholly past the keys loads zeros from row 0 (reads nothing): P V then meets 0, never stale bits
+        const bool any = key0 < seqlen_k;
+        T* sK = sRing + (i % kStages) * kSlot;
+        cp_async_keys<kWarpKeys, kHeadDim, kPitch, 32>(sK, k_rows, any ? key0 : 0, any ? seqlen_k - key0 : 0,
+                                                       head_dim, lane);
+        cp_async_keys<kWarpKeys, kHeadDim, kPitch, 32>(sK + kWarpKeys * kPitch, v_rows, any ? key0 : 0,
+                                                       any ? seqlen_k - key0 : 0, head_dim, lane);
+    };
+#pragma unroll
+    for (int i = 0; i < kStages - 1; ++i) {
+        if (i < n_count) load_stage(i);
+        cp_async_commit();  // empty groups too: the wait counts below stay uniform
+    }
+
+    // Q (the oldest group) has landed for every thread, and so for all after the barrier
+    cp_async_wait<kStages - 1>();
+    __syncthreads();
+    const unsigned q_addr = smem_u32(sQ + ldsm_a_offset(lane, kPitch));
+    unsigned q_frag[kQInRegs ? kKSlicesQK : 1][4];
+    if constexpr (kQInRegs) {
+#pragma unroll
+        for (int ks = 0; ks < kKSlicesQK; ++ks) ldmatrix_x4(q_frag[ks], q_addr + ks * 16 * sizeof(T));
+    }
+    // The query rows of this thread's two packed rows g and g + 8 (the mask's rows)
+    const int q_row[2] = {(r0 + g) / group, (r0 + g + 8) / group};
+
+    float acc_o[1][kNTilesO][4];
+#pragma unroll
+    for (int no = 0; no < kNTilesO; ++no)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[0][no][e] = 0.f;
+    OnlineSoftmax<1> softmax;
+    softmax.init();
+    const float scale_log2 = mod.score_log2(p);
+
+    for (int i = 0; i < n_count; ++i) {
+        // [4] Wait for this warp's slice of the key block; refill the stage freed by the previous one
+        cp_async_wait<kStages - 2>();
+        __syncwarp();  // every lane has landed its part, and is done reading the stage refilled next
+        if (i + kStages - 1 < n_count) load_stage(i + kStages - 1);
+        cp_async_commit();
+        const int key0 = (n_begin + i) * kBlockN + warp * kWarpKeys;
+        const T* sK = sRing + (i % kStages) * kSlot;
+        const unsigned k_addr = smem_u32(sK + ldsm_b_offset(lane, kPitch));
+        const unsigned v_addr = smem_u32(sK + kWarpKeys * kPitch + ldsm_bt_offset(lane, kPitch));
+
+        // [5] S = Q K^T
+        float acc_s[1][kNTilesS][4];
+#pragma unroll
+        for (int ni = 0; ni < kNTilesS; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_s[0][ni][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < kKSlicesQK; ++ks) {
+            unsigned a[4];
+            if constexpr (kQInRegs) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) a[e] = q_frag[ks][e];
+            } else {
+                ldmatrix_x4(a, q_addr + ks * 16 * sizeof(T));
+            }
+#pragma unroll
+            for (int np = 0; np < kNTilesS / 2; ++np) {
+                unsigned b[4];
+                ldmatrix_x4(b, k_addr + (np * 16 * kPitch + ks * 16) * sizeof(T));
+                mma_16816<T>(acc_s[0][2 * np], a, b[0], b[1]);
+                mma_16816<T>(acc_s[0][2 * np + 1], a, b[2], b[3]);
+            }
+        }
+
+        // [6] Score modifier (softcap); mask the sequence tail, the causal diagonal and the window
+        // acc_s[0][ni][2h + e]: packed row g + 8h (query row q_row[h]), key key0 + 8*ni + 2t + e
+        if constexpr (Mod::kTransform) {
+            for_each_score<1, kNTilesS>(0, key0, lane, [&](float& x, int row, int col) {
+                float dcap;
+                x = mod.apply(x, row, col, dcap);
+            }, acc_s);
+        }
+        if (mask.tile_needs_mask(row_lo, row_hi, key0, key0 + kWarpKeys)) {
+#pragma unroll
+            for (int ni = 0; ni < kNTilesS; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (!mask.visible(q_row[e >> 1], key0 + 8 * ni + 2 * t + (e & 1))) acc_s[0][ni][e] = neg_inf<float>();
+        }
+
+        // [7] Online softmax: update row_max, rescale acc_o and row_sum, P = exp2(S * scale_log2 - row_max * scale_log2)
+        softmax.update(acc_s, acc_o, scale_log2);
+
+        // [8] O += P V
+#pragma unroll
+        for (int ks = 0; ks < kKSlicesPV; ++ks) {
+            unsigned a[4];
+            acc_to_a<T>(a, acc_s[0][2 * ks], acc_s[0][2 * ks + 1]);
+#pragma unroll
+            for (int np = 0; np < kHeadDim / 16; ++np) {
+                unsigned b[4];
+                ldmatrix_x4_trans(b, v_addr + (ks * 16 * kPitch + np * 16) * sizeof(T));
+                mma_16816<T>(acc_o[0][2 * np], a, b[0], b[1]);
+                mma_16816<T>(acc_o[0][2 * np + 1], a, b[2], b[3]);
+            }
+        }
+    }
+
+    // [9] Merge the warps: row max, row sum and O of each warp through shared memory
+    cp_async_wait<0>();  // only empty groups can be left; the ring is then idle
+    __syncthreads();
+    float* sO = reinterpret_cast<float*>(sQ + kBlockM * kPitch);  // [warp][packed row][dim], over the ring
+    float* sMax = sO + kNWarps * kBlockM * kHeadDim;               // [warp][packed row]: row_max (held units)
+    float* sSum = sMax + kNWarps * kBlockM;                        // [warp][packed row]: row_sum
+    float row_sum[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) row_sum[h] = warp_allreduce_sum<4>(softmax.row_sum[h]);
+    if (t == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            sMax[warp * kBlockM + g + 8 * h] = softmax.row_max[h];
+            sSum[warp * kBlockM + g + 8 * h] = row_sum[h];
+        }
+    }
+    __syncthreads();
+    // Row r of the block: max over the warps M, and L = sum_w exp2((max_w - M) * scale_log2) sum_w. Every warp
+    // scales its O by exp2((max_w - M) * scale_log2) / L; L = 0 (no warp saw a key) gives O = 0, LSE = -inf.
+    auto merged = [&](int r, float& m, float& l) {
+        m = neg_inf<float>();
+#pragma unroll
+        for (int w = 0; w < kNWarps; ++w) m = fmaxf(m, sMax[w * kBlockM + r]);
+        l = 0.f;
+#pragma unroll
+        for (int w = 0; w < kNWarps; ++w) {
+            const float mw = sMax[w * kBlockM + r];
+            l += mw == neg_inf<float>() ? 0.f : exp2f((mw - m) * scale_log2) * sSum[w * kBlockM + r];
+        }
+    };
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float m, l;
+        merged(g + 8 * h, m, l);
+        const float mine = softmax.row_max[h];
+        const float f = (mine == neg_inf<float>() || l == 0.f) ? 0.f : exp2f((mine - m) * scale_log2) / l;
+        float* dst = sO + (warp * kBlockM + g + 8 * h) * kHeadDim + 2 * t;
+#pragma unroll
+        for (int no = 0; no < kNTilesO; ++no)
+            *reinterpret_cast<float2*>(dst + 8 * no) = make_float2(acc_o[0][no][2 * h] * f, acc_o[0][no][2 * h + 1] * f);
+    }
+    __syncthreads();
+
+    // [10] Store O and LSE, or this split's partial O and LSE
+    const bool partial = dp.num_splits > 1;
+    // Partials: [split, batch, head, row] (times kHeadDim for O); head and row of packed row pr
+    auto partial_row = [&](int pr) {
+        return ((static_cast<long long>(split) * p.batch + batch) * p.nheads + head_k * group + pr % group) *
+                   seqlen_q + pr / group;
+    };
+    constexpr int kChunks = kHeadDim / 8;
+    for (int c = tid; c < kBlockM * kChunks; c += kNWarps * 32) {
+        const int r = c / kChunks, col = (c % kChunks) * 8, pr = r0 + r;
+        if (pr >= packed_rows || col >= head_dim) continue;
+        float v[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = 0.f;
+#pragma unroll
+        for (int w = 0; w < kNWarps; ++w) {
+            const float* src = sO + (w * kBlockM + r) * kHeadDim + col;
+            const float4 lo = *reinterpret_cast<const float4*>(src), hi = *reinterpret_cast<const float4*>(src + 4);
+            v[0] += lo.x, v[1] += lo.y, v[2] += lo.z, v[3] += lo.w, v[4] += hi.x, v[5] += hi.y, v[6] += hi.z, v[7] += hi.w;
+        }
+        if (partial) {
+            float* dst = dp.o_partial + partial_row(pr) * kHeadDim + col;
+            *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
+            *reinterpret_cast<float4*>(dst + 4) = make_float4(v[4], v[5], v[6], v[7]);
+        } else {
+            T* dst = static_cast<T*>(p.o) + seq.q_offset(batch, p.o_batch_stride, p.o_row_stride) +
+                     (pr / group) * p.o_row_stride + (head_k * group + pr % group) * p.o_head_stride + col;
+            *reinterpret_cast<uint4*>(dst) =
+                make_uint4(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]), pack2<T>(v[4], v[5]), pack2<T>(v[6], v[7]));
+        }
+    }
+    if (tid < kBlockM && r0 + tid < packed_rows) {
+        const int pr = r0 + tid;
+        float m, l;
+        merged(tid, m, l);
+        const float lse = l == 0.f ? neg_inf<float>() : m * mod.lse_scale() + logf(l);
+        if (partial) {
+            dp.lse_partial[partial_row(pr)] = lse;
+        } else {
+            static_cast<float*>(p.lse)[seq.row_offset(batch, head_k * group + pr % group, p.lse_batch_stride,
+                                                      p.lse_head_stride) + pr / group] = lse;
+        }
+    }
+}
+
+// Merge the num_splits partials of each (batch, head, query row) into o and lse: one warp per row, lane l
+// taking columns l, l + 32, ... The merge is the exact one of attention over disjoint key sets (merge_states).
+template <typename T, int kHeadDim, int kNWarps>
+__global__ void __launch_bounds__(kNWarps * 32) flash_decode_combine(const __grid_constant__ DecodeParams dp) {
+    static_assert(kHeadDim % 32 == 0, "32 lanes over the head dim");
+    constexpr int kPerLane = kHeadDim / 32;
+    const FwdParams& p = dp.fwd;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const long long rows = static_cast<long long>(p.batch) * p.nheads * p.seqlen_q;  // one split's [batch, head, row]
+    const long long idx = static_cast<long long>(blockIdx.x) * kNWarps + warp;
+    if (idx >= rows) return;
+    const int row = static_cast<int>(idx % p.seqlen_q), head = static_cast<int>(idx / p.seqlen_q % p.nheads);
+    const int batch = static_cast<int>(idx / (static_cast<long long>(p.seqlen_q) * p.nheads));
+
+    // [11] Combine: the largest partial LSE, the splits' weights exp(lse_s - max) and their sum
+    float m = neg_inf<float>();
+    for (int s = 0; s < dp.num_splits; ++s) m = fmaxf(m, dp.lse_partial[s * rows + idx]);
+    float l = 0.f;
+    if (m != neg_inf<float>())
+        for (int s = 0; s < dp.num_splits; ++s) l += expf(dp.lse_partial[s * rows + idx] - m);
+
+    // [12] O = sum_s weight_s O_s / sum; LSE = max + log(sum); a row no split saw gives O = 0, LSE = -inf
+    float acc[kPerLane];
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) acc[e] = 0.f;
+    if (l > 0.f) {
+        const float inv = 1.f / l;
+        for (int s = 0; s < dp.num_splits; ++s) {
+            const float w = expf(dp.lse_partial[s * rows + idx] - m) * inv;
+            const float* src = dp.o_partial + (s * rows + idx) * kHeadDim + lane;
+#pragma unroll
+            for (int e = 0; e < kPerLane; ++e) acc[e] += w * src[32 * e];
+        }
+    }
+    T* o = static_cast<T*>(p.o) + batch * p.o_batch_stride + row * p.o_row_stride + head * p.o_head_stride;
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e)
+        if (lane + 32 * e < p.head_dim) o[lane + 32 * e] = from_acc<T>(acc[e]);
+    if (lane == 0)
+        static_cast<float*>(p.lse)[batch * p.lse_batch_stride + head * p.lse_head_stride + row] =
+            l > 0.f ? m + logf(l) : neg_inf<float>();
+}
+
+}  // namespace cuflash
