@@ -3,7 +3,8 @@ and racecheck): odd lengths, seqlen_k of 0 and 1, causal rows that see no key, e
 dims 40 / 64 / 128 / 256, GQA, forward and backward (non-causal cases deterministic=True: the dQ semaphores;
 causal ones atomic, which on sm_90 is the Hopper backward up to d = 128), through
 the public API with backend="cuda"; then the attention variants (window, softcap, ALiBi, dropout) on
-packed varlen batches with an empty sequence, every dtype (the backward's atomic dQ adds).
+packed varlen batches with an empty sequence, every dtype (the backward's atomic dQ adds); then
+flash_attn_with_kvcache's decode kernel, dense and paged caches, split and not.
 
     python3 bench/sanitize_cases.py [--quick]
 
@@ -84,6 +85,51 @@ def run_variant_case(dtype, d, lq, lk, h, hk, kw, seed) -> list[str]:
     return _compare(dtype, ours, ref)
 
 
+# KV-cache cases for flash_decode (and its combine when num_splits > 1): (dtype, head_dim, batch, seqlen_q, heads,
+# kv heads, cache_seqlens, capacity, page_size or None, num_splits, keywords); entries with no key among them.
+DECODE_CASES = [
+    ("float16", 64, 3, 1, 8, 2, (0, 130, 64), 192, None, 3, {}),
+    ("bfloat16", 128, 2, 3, 4, 1, (200, 1), 256, 64, 5, dict(causal=True)),
+    ("float16", 256, 2, 2, 2, 2, (77, 0), 128, 16, 1, dict(window=(20, 0), softcap=3.0)),
+    ("bfloat16", 40, 1, 5, 16, 2, (300,), 320, 64, 0, dict(causal=True, window=(50, -1))),
+]
+
+
+def run_decode_case(dtype, d, b, sq, h, hk, lens, cap, page, num_splits, kw, seed) -> list[str]:
+    """flash_attn_with_kvcache over a dense or paged cache (no append), against the reference over each entry's
+    keys."""
+    import cupy
+
+    import cuflash
+    from cuflash import reference
+
+    rng = np.random.default_rng(seed)
+    npdt = _np_dtype(dtype)
+    q_h = rng.standard_normal((b, sq, h, d)).astype(npdt)
+    k_h, v_h = (rng.standard_normal((b, cap, hk, d)).astype(npdt) for _ in range(2))
+    q, k, v = (_to_device(x) for x in (q_h, k_h, v_h))
+    table = None
+    if page:
+        pages = b * cap // page
+        perm = rng.permutation(pages).astype(np.int32)
+        k, v = (cupy.empty((pages, page, hk, d), dtype=x.dtype) for x in (k, v))
+        for pool, x in ((k, k_h), (v, v_h)):
+            pool[cupy.asarray(perm)] = _to_device(x.reshape(pages, page, hk, d))
+        table = cupy.asarray(perm.reshape(b, cap // page))
+    o, lse = cuflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=cupy.asarray(np.array(lens, dtype=np.int32)),
+                                             block_table=table, num_splits=num_splits, return_lse=True,
+                                             backend="cuda", **kw)
+    cupy.cuda.runtime.deviceSynchronize()
+    cu_q = (np.arange(b + 1) * sq).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    k64, v64 = (np.concatenate([x[i, :n] for i, n in enumerate(lens)]).astype(np.float64) for x in (k_h, v_h))
+    ro, rl = reference.forward(q_h.reshape(b * sq, h, d).astype(np.float64), k64, v64, cu_seqlens_q=cu_q,
+                               cu_seqlens_k=cu_k, **kw)
+    ours = {"o": _to_host64(o), "lse": _to_host64(lse)}
+    ref = {"o": ro.reshape(b, sq, h, d), "lse": rl.reshape(h, b, sq).transpose(1, 0, 2)}
+    return _compare(dtype, ours, ref, names=("o", "lse"))
+
+
 def _np_dtype(dtype):
     if dtype == "bfloat16":
         import ml_dtypes
@@ -131,10 +177,10 @@ def run_case(dtype, b, sq, sk, h, hk, d, causal, seed) -> list[str]:
     return _compare(dtype, ours, ref)
 
 
-def _compare(dtype, ours: dict, ref: dict) -> list[str]:
+def _compare(dtype, ours: dict, ref: dict, names=("o", "lse", "dq", "dk", "dv")) -> list[str]:
     """What is wrong with ours against the float64 reference: shapes, NaN, -inf rows, loose error."""
     fails = []
-    for name in ("o", "lse", "dq", "dk", "dv"):
+    for name in names:
         x, r = ours[name], ref[name]
         if x.shape != r.shape:
             fails.append(f"{name}: shape {x.shape}, expected {r.shape}")
@@ -189,8 +235,17 @@ def main(argv=None) -> int:
             return 1
         failed += bool(fails)
         print(("ok   " if not fails else "FAIL ") + name + "".join(f"\n       {f}" for f in fails), flush=True)
+    for i, (dtype, d, b, sq, h, hk, lens, cap, page, splits, kw) in enumerate(DECODE_CASES):
+        name = f"{dtype:8s} kvcache b={b} sq={sq} h={h} hk={hk} d={d:3d} lens={lens} page={page} splits={splits} {kw}"
+        try:
+            fails = run_decode_case(dtype, d, b, sq, h, hk, lens, cap, page, splits, kw, seed=200 + i)
+        except Exception as e:  # noqa: BLE001
+            print(f"ERROR {name}: {type(e).__name__}: {e}", flush=True)
+            return 1
+        failed += bool(fails)
+        print(("ok   " if not fails else "FAIL ") + name + "".join(f"\n       {f}" for f in fails), flush=True)
     dt = time.perf_counter() - t0
-    total = len(todo) + len(VARIANT_CASES)
+    total = len(todo) + len(VARIANT_CASES) + len(DECODE_CASES)
     print(f"{total - failed}/{total} cases passed in {dt:.1f} s", flush=True)
     return 1 if failed else 0
 

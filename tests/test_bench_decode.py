@@ -51,7 +51,12 @@ def test_decode_kernel_configs():
     cfgs = kernel_configs(Settings(suites=("decode",)), ["decode"])
     seq, paged = config.variant_bits(seqused=True), config.variant_bits(paged=True)
     assert {(c.kernel, c.dtype, c.head_dim, c.variant) for c in cfgs} == {
-        ("flash_fwd", "bfloat16", 128, seq), ("flash_fwd", "bfloat16", 128, paged), ("flash_fwd", "bfloat16", 64, seq)}
+        ("flash_decode", "bfloat16", 128, seq), ("flash_decode", "bfloat16", 128, paged),
+        ("flash_decode", "bfloat16", 64, seq), ("flash_decode_combine", "bfloat16", 128, 0),
+        ("flash_decode_combine", "bfloat16", 64, 0)}
+    # float32 takes the SIMT forward
+    cfgs = kernel_configs(Settings(suites=("decode",), dtype="float32"), ["decode"])
+    assert {c.kernel for c in cfgs} == {"flash_fwd_simt"}
     assert kernel_configs(Settings(suites=("decode",), backends=("torch-flash",)), ["decode"]) == []
 
 
@@ -193,25 +198,26 @@ def test_decode_table_from_rows():
     rows = _rows(cells[0], {"cuflash": 0.5, "torch-flash": 0.4, "torch-cudnn": 0.3, "copy": 0.6})
     rows += _rows(cells[3], {"cuflash": 0.55, "torch-flash": None, "torch-cudnn": 0.3, "copy": 0.6})
     rows[1]["gqa"] = "expanded K/V heads to 32 (enable_gqa refused: x)"
+    rows[0].update(kernel="flash_decode", num_splits=2)
     decode.add_copy_fractions(rows)
     suite = {"platform": "gpu", "status": "partial", "reason": None, "seconds": 12.0, "params": p, "rows": rows}
     meta = report.make_meta({}, "gpu", None, argv=["cuflash"])
     assert report.validate(report.document(meta, {"decode": suite})) == []
     t, not_run = report.tables("decode", suite)
-    assert t.header == ["B x H x H_kv x len x d", "cache", "K + V", "copy TB/s", "cuflash (mma) ms",
+    assert t.header == ["B x H x H_kv x len x d", "cache", "splits", "K + V", "copy TB/s", "cuflash (mma) ms",
                         "cuflash TB/s (of copy)", "torch-flash ms", "torch-flash TB/s (of copy)",
                         "torch-cudnn (cudnn) ms", "torch-cudnn TB/s (of copy)"]
     # copy: 2 GiB in 0.6 ms = 3.58 TB/s; cuflash: 1 GiB in 0.5 ms = 2.15 TB/s = 60% of it
-    assert t.rows[0] == ["8x32x8x32768x128", "dense", "1.0 GiB", "3.58", "0.500", "2.15 (60%)", "0.400",
+    assert t.rows[0] == ["8x32x8x32768x128", "dense", "2", "1.0 GiB", "3.58", "0.500", "2.15 (60%)", "0.400",
                          "2.68 (75%)", "0.300", "3.58 (100%)"]
-    assert t.rows[1][:2] == ["8x32x8x32768x128", "paged 256"] and t.rows[1][6:8] == ["unavailable", ""]
+    assert t.rows[1][:3] == ["8x32x8x32768x128", "paged 256", ""] and t.rows[1][7:9] == ["unavailable", ""]
     assert t.caption == p["method"] and not_run.rows == [["torch-flash: unavailable: no kernel"]]
     lines = report.summary_lines("decode", suite)
     assert lines[0] == "decode: cuflash 1.95-2.15 TB/s, 55%-60% of the copy's (K and V read)"
     assert "decode: torch-flash GQA through expanded K/V heads to 32 (enable_gqa refused: x)" in lines
     assert "decode: copy 3.58-3.58 TB/s (read + written)" in lines
     md = report.markdown({"decode": suite})
-    assert "| 8x32x8x32768x128 | dense | 1.0 GiB | 3.58 | 0.500 | 2.15 (60%) |" in md
+    assert "| 8x32x8x32768x128 | dense | 2 | 1.0 GiB | 3.58 | 0.500 | 2.15 (60%) |" in md
 
 
 def test_cli_skips_decode_without_a_gpu(monkeypatch, tmp_path):

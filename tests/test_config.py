@@ -187,3 +187,40 @@ def test_longest_first_is_causal_alone():
     assert not lf(0) and not lf(config.VARLEN)
     for bit in (config.WINDOW, config.SOFTCAP, config.ALIBI, config.DROPOUT):
         assert not lf(config.LOCAL | bit), bit
+
+
+def test_decode_choice():
+    """flash_decode serves 16-bit KV-cache calls of up to DECODE_MAX_ROWS packed rows (more with num_splits > 1),
+    not ALiBi, fp32 / fp64 or a forced sm90 family; its combine is one config per (dtype, head dim)."""
+    seq = config.variant_bits(seqused=True)
+    main, combine = config.choose_decode("bfloat16", 100, seq, packed_rows=4)
+    assert (main.kernel, main.head_dim, main.block_m, main.block_n, main.warps, main.variant) == (
+        "flash_decode", 128, 16, 64, 4, seq)
+    assert (combine.kernel, combine.head_dim, combine.warps) == ("flash_decode_combine", 128, 4)
+    assert combine.template_name == "cuflash::flash_decode_combine<__nv_bfloat16, 128, 4>"
+    assert main.family == "mma" and combine.smem_bytes == 0
+    assert config.choose_decode("float16", 64, config.variant_bits(local=True, softcap=True, paged=True),
+                                packed_rows=64) is not None
+    for dtype, bits, rows, splits, family in (("float32", seq, 1, 0, None), ("bfloat16", seq | config.ALIBI, 1, 0, None),
+                                               ("bfloat16", seq, 65, 0, None), ("bfloat16", seq, 65, 1, None),
+                                               ("bfloat16", seq, 1, 0, "sm90")):
+        assert config.choose_decode(dtype, 64, bits, packed_rows=rows, num_splits=splits, family=family) is None
+    assert config.choose_decode("bfloat16", 64, seq, packed_rows=65, num_splits=2) is not None
+    assert config.choose_decode("bfloat16", 64, seq, packed_rows=1, family="mma") is not None
+    # stages: 3 where the block fits in sm_80's shared memory (d <= 192), else 2; smem as flash_decode.cu lays it out
+    for d in config.HEAD_DIMS:
+        cfg = config.choose_decode("float16", d, seq, packed_rows=1)[0]
+        assert config.decode_stages(cfg) == (3 if d <= 192 else 2)
+        assert cfg.smem_bytes == (16 + 2 * config.decode_stages(cfg) * 64) * (d + 8) * 2 <= config.SMEM_LIMIT[80]
+
+
+@pytest.mark.parametrize("tiles,key_blocks,sms,per_sm,want", [
+    (8, 2048, 132, 2, 29),  # B=1, 8 kv heads, 131k keys: 232 blocks, the fewest within 85 % of a full wave
+    (64, 512, 132, 2, 4),  # B=8, 8 kv heads: 256 of 264
+    (512, 64, 132, 2, 1),  # B=64: already two waves
+    (128, 256, 132, 3, 3),  # d = 64, three blocks per SM: 384 of 396
+    (8, 3, 132, 2, 3),  # never more splits than key blocks
+    (0, 10, 132, 2, 1),
+])
+def test_decode_splits(tiles, key_blocks, sms, per_sm, want):
+    assert config.decode_splits(tiles, key_blocks, sms, per_sm) == want

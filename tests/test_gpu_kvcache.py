@@ -110,6 +110,103 @@ def test_kvcache(gpu, dtype, name, sq, lens, causal, d, variants):
         assert gpu.same_bits(kp[spare], before) == 0, f"[{ctxp}] a spare page was written"
 
 
+# flash_decode (fp16 / bf16 where config.choose_decode serves the call): the heads of a GQA group packed into
+# 16-row tiles, the keys split over num_splits blocks and merged by flash_decode_combine.
+# (id, batch, seqlen_q, nheads, nheads_k, cache_seqlens, seqlen_new, causal, head_dim, variants)
+DECODE_CASES = [
+    ("mha", 2, 1, 4, 4, [1000, 37], 1, False, 64, {}),
+    ("gqa8-speculative", 2, 5, 16, 2, [900, 3], 5, True, 128, {}),  # 40 packed rows: 3 tiles
+    ("window-softcap", 3, 2, 8, 2, [700, 0, 1017], 2, True, 96, dict(window=(100, 0), softcap=4.0)),
+    ("empty-entry", 2, 1, 8, 2, [0, 1024], 0, False, 128, {}),  # entry 0 has no key at all
+    ("d256", 1, 1, 8, 1, [1020], 1, False, 256, {}),
+    ("d32-window", 2, 4, 4, 1, [500, 60], 4, False, 32, dict(window=(30, 10))),
+]
+
+
+@pytest.fixture
+def decode_spy(monkeypatch):
+    """Records, per call of backends.cuda.decode_launches, whether flash_decode served it and how many kernels
+    it launched (2: split, with the combine)."""
+    from cuflash.backends import cuda
+
+    seen = []
+
+    def spy(*args, **kwargs):
+        launches = cuda_decode(*args, **kwargs)
+        seen.append(None if launches is None else len(launches.kernels))
+        return launches
+
+    cuda_decode = cuda.decode_launches
+    monkeypatch.setattr(cuda, "decode_launches", spy)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name,b,sq,h,hk,lens,new,causal,d,variants", DECODE_CASES, ids=[c[0] for c in DECODE_CASES])
+def test_decode_splits(gpu, decode_spy, dtype, name, b, sq, h, hk, lens, new, causal, d, variants):
+    """Each num_splits (1: unsplit, several, more than the key blocks, 0: chosen) against the float64 reference by
+    the accuracy rule, the LSE of every split count against the unsplit one, and the paged cache bitwise equal to
+    the dense one at every split count; flash_decode served each call, with the combine exactly when split."""
+    cp, cf = gpu.cp, gpu.cuflash
+    cap = 1024
+    c = _device(gpu, make_cache(np.random.default_rng(b * 100 + sq * 10 + d), b, sq, h, hk, d, cap, new, lens,
+                                page_size=64, dtype=gpu.np_dtype(dtype)))
+    kw = dict(variants, causal=causal)
+    refs = _references(gpu, dtype, c, kw)
+    cs = cp.asarray(np.array(lens, dtype=np.int32))
+    # the append once, up front: every call below attends over the same caches
+    cf.flash_attn_with_kvcache(c["q"], c["k_cache"], c["v_cache"], c["k"], c["v"], cache_seqlens=cs, backend="cuda",
+                               **kw)
+    cf.flash_attn_with_kvcache(c["q"], c["k_cache_paged"], c["v_cache_paged"], c["k"], c["v"], cache_seqlens=cs,
+                               block_table=c["block_table"], backend="cuda", **kw)
+    counts = cp.asarray(c["counts"])
+    unsplit = None
+    for num_splits in (1, 3, 16, 128, 0):
+        ctx = f"{name} {dtype} b={b} sq={sq} h={h}:{hk} d={d} lens={lens} causal={causal} {variants} " \
+              f"num_splits={num_splits}"
+        del decode_spy[:]
+        gpu.poison(8 * c["q"].nbytes)
+        o, lse = cf.flash_attn_with_kvcache(c["q"], c["k_cache"], c["v_cache"], cache_seqlens=counts,
+                                            num_splits=num_splits, return_lse=True, backend="cuda", **kw)
+        o2, lse2 = cf.flash_attn_with_kvcache(c["q"], c["k_cache_paged"], c["v_cache_paged"], cache_seqlens=counts,
+                                              block_table=c["block_table"], num_splits=num_splits, return_lse=True,
+                                              backend="cuda", **kw)
+        cp.cuda.get_current_stream().synchronize()
+        assert decode_spy[0] is not None and decode_spy[0] == decode_spy[1], f"[{ctx}] launches {decode_spy}"
+        if num_splits:
+            assert decode_spy[0] == (1 if num_splits == 1 else 2), f"[{ctx}] kernels launched: {decode_spy[0]}"
+        _check(gpu, ctx, dtype, o, lse, *refs)
+        assert gpu.same_bits(o2, o) == 0 and gpu.same_bits(lse2, lse) == 0, f"[{ctx}] paged differs from dense"
+        if unsplit is None:
+            unsplit = lse
+        else:
+            seen = ~cp.isneginf(unsplit)
+            assert bool((cp.isneginf(lse) == ~seen).all()), f"[{ctx}] -inf pattern differs from the unsplit one"
+            err = float(cp.max(cp.abs(lse[seen] - unsplit[seen]), initial=0.0))
+            assert err <= 1e-5 * max(1.0, float(cp.max(cp.abs(unsplit[seen]), initial=0.0))), f"[{ctx}] lse {err:.3e}"
+
+
+def test_decode_serves_only_what_it_can(gpu, decode_spy):
+    """float32, ALiBi and long query chunks take flash_fwd (num_splits then changes nothing); num_splits > 1
+    sends a long chunk to flash_decode, whose result agrees."""
+    cp, cf = gpu.cp, gpu.cuflash
+    c = _device(gpu, make_cache(np.random.default_rng(9), 2, 40, 8, 2, 64, 512, 0, [300, 512],
+                                dtype=gpu.np_dtype("bfloat16")))
+    cs = cp.asarray(np.array([300, 512], dtype=np.int32))
+    r64, sp = _references(gpu, "bfloat16", c, dict(causal=True))
+    o, lse = cf.flash_attn_with_kvcache(c["q"], c["k_cache"], c["v_cache"], cache_seqlens=cs, causal=True,
+                                        return_lse=True, backend="cuda")  # 160 packed rows: flash_fwd
+    o4, lse4 = cf.flash_attn_with_kvcache(c["q"], c["k_cache"], c["v_cache"], cache_seqlens=cs, causal=True,
+                                          num_splits=4, return_lse=True, backend="cuda")
+    slopes_dev = cp.asarray(slopes((8,)))
+    cf.flash_attn_with_kvcache(c["q"][:, :1], c["k_cache"], c["v_cache"], cache_seqlens=cs, num_splits=4,
+                               alibi_slopes=slopes_dev, backend="cuda")
+    cp.cuda.get_current_stream().synchronize()
+    assert decode_spy == [None, 2, None]
+    _check(gpu, "160 rows, flash_fwd", "bfloat16", o, lse, r64, sp)
+    _check(gpu, "160 rows, num_splits=4", "bfloat16", o4, lse4, r64, sp)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_int_cache_seqlens_and_host_arrays(gpu, dtype):
     """cache_seqlens an int, block_table on the host with device caches; no append."""

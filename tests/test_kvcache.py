@@ -272,6 +272,10 @@ BAD = [
     ("causal", lambda c, d, p: dict(d, causal=1), TypeError, "causal: expected a bool"),
     ("window", lambda c, d, p: dict(d, window=(1,)), TypeError, "window: expected a pair of ints"),
     ("alibi shape", lambda c, d, p: dict(d, alibi_slopes=np.ones(3, dtype=np.float32)), ValueError, "alibi_slopes"),
+    ("num_splits negative", lambda c, d, p: dict(d, num_splits=-1), ValueError, "num_splits: expected an int >= 0"),
+    ("num_splits too many", lambda c, d, p: dict(d, num_splits=129), ValueError,
+     "num_splits: expected an int in [0, 128] (0: chosen per call), got 129"),
+    ("num_splits float", lambda c, d, p: dict(d, num_splits=2.0), TypeError, "num_splits: expected an int"),
 ]
 
 

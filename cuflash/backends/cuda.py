@@ -178,12 +178,8 @@ def decode_launches(q, k_cache, v_cache, o, lse, partial, *, kvcache, num_splits
     main, combine = pair
     p = _params.fwd_params(q, k_cache, v_cache, o, lse, softmax_scale, causal, kvcache=kvcache, **variants)
     check_batch(b)
-    hk, capacity = k_cache.shape[2], int(p["seqlen_k"])
-    m_blocks = ceil_div(sq * group, main.block_m)
-    key_blocks = max(1, ceil_div(capacity, main.block_n))
-    if num_splits == 0:
-        num_splits = decode_splits(b * hk * m_blocks, key_blocks, _multiprocessors(), _blocks_per_sm(main))
-    num_splits = max(1, min(num_splits, key_blocks))
+    hk, m_blocks = k_cache.shape[2], ceil_div(sq * group, main.block_m)
+    num_splits = split_count(main, b * hk * m_blocks, int(p["seqlen_k"]), num_splits)
     dp = np.zeros((), dtype=_params.DECODE_PARAMS)
     dp["fwd"], dp["num_splits"] = p, num_splits
     kernels, buf = [(main, (m_blocks * num_splits, hk, b))], None
@@ -196,6 +192,15 @@ def decode_launches(q, k_cache, v_cache, o, lse, partial, *, kvcache, num_splits
     launches = Launches(dp, kernels)
     launches.partial = buf  # held until the launches are run and dropped (stream-ordered reuse after that)
     return launches
+
+
+def split_count(cfg, tiles: int, capacity: int, num_splits: int) -> int:
+    """The splits flash_decode (cfg) runs: num_splits, or for 0 config.decode_splits on this GPU; at most one
+    per key block of the capacity. tiles: batch * nheads_k * packed query blocks."""
+    key_blocks = max(1, ceil_div(capacity, cfg.block_n))
+    if num_splits == 0:
+        num_splits = decode_splits(tiles, key_blocks, _multiprocessors(), _blocks_per_sm(cfg))
+    return max(1, min(num_splits, key_blocks))
 
 
 def _blocks_per_sm(cfg) -> int:

@@ -102,6 +102,18 @@ def variant_bits(cell: Cell) -> int:
     return _params.variant(False, None, kvcache=(True, True if cell.page_size else None))
 
 
+def kernels(cell: Cell, compute_capability: int = 0, family: str | None = None) -> list:
+    """The cuflash kernel configs of the cell's call (pure): flash_decode and its combine where
+    config.choose_decode serves it, else the forward's."""
+    from .. import config
+
+    bits = variant_bits(cell)
+    pair = config.choose_decode(cell.dtype, cell.head_dim, bits, packed_rows=cell.nheads // cell.nheads_k,
+                                family=family)
+    return list(pair) if pair else [config.choose_forward(cell.dtype, cell.head_dim, bits,
+                                                          compute_capability=compute_capability, family=family)]
+
+
 def bandwidth(cell: Cell, implementation: str, ms: float | None) -> dict:
     """bytes_per_call (K and V read; the copy: read and written) and tb_per_s = bytes / time."""
     n = 2 * cell.kv_bytes if implementation == COPY else cell.kv_bytes
@@ -227,7 +239,20 @@ class CuflashDecode(Impl):
             layout = "dense caches (B, len, H_kv, d)"
         fn = functools.partial(flash_attn_with_kvcache, data.q, k, v, cache_seqlens=data.seqlens, block_table=bt,
                                softmax_scale=cell.case.scale)
-        return [fn], {"layout": layout}
+        return [fn], {"layout": layout, **self.kernel_of(cell)}
+
+    @staticmethod
+    def kernel_of(cell: Cell) -> dict:
+        """The row's kernel, and with flash_decode the splits it runs (num_splits=0's choice on this GPU)."""
+        from ..backends import cuda
+        from ..config import ceil_div, forced_family
+
+        main = kernels(cell, cuda.compute_capability(), forced_family())[0]
+        out = {"kernel": main.kernel}
+        if main.kernel == "flash_decode":
+            tiles = cell.batch * cell.nheads_k * ceil_div(cell.nheads // cell.nheads_k, main.block_m)
+            out["num_splits"] = cuda.split_count(main, tiles, cell.seqlen_k, 0)
+        return out
 
 
 class TorchDecode(TorchSDPA):

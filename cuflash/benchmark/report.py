@@ -113,7 +113,9 @@ Row keys by suite (on status "ok" rows):
                      kv_bytes (2 B len H_kv d itemsize). ok rows: ms_*, n_runs, n_input_sets, layout,
                      bytes_per_call (kv_bytes; the copy's 2 x kv_bytes, read and written), tb_per_s =
                      bytes_per_call / ms_median, copy_fraction = tb_per_s / the cell's copy tb_per_s; torch rows
-                     gqa ("enable_gqa", "expanded K/V heads ..." with why, or "none (H_kv = H)").
+                     gqa ("enable_gqa", "expanded K/V heads ..." with why, or "none (H_kv = H)"); cuflash rows
+                     kernel ("flash_decode", or the forward's) and with flash_decode num_splits (the splits
+                     num_splits=0 chose on this GPU).
                      params: dtype, causal, seqlen_q, modes, cells [{batch, nheads, nheads_k, seqlen_k, head_dim,
                      page_size}], implementations, method.
 
@@ -732,10 +734,10 @@ def _decode_tables(rows: list[dict], title: str, method: str) -> list[Table]:
     from .decode import COPY
 
     impls = [i for i in _impls(rows) if i != COPY]
-    header = ["B x H x H_kv x len x d", "cache", "K + V", "copy TB/s"]
+    header = ["B x H x H_kv x len x d", "cache", "splits", "K + V", "copy TB/s"]
     for i in impls:
         header += [f"{_head(rows, i)} ms", f"{i} TB/s (of copy)"]
-    t = Table(f"{title}: one query row over a KV cache", header, caption=method, text_cols=2)
+    t = Table(f"{title}: one query row over a KV cache", header, caption=method, text_cols=3)
     cells: dict[tuple, dict[str, dict]] = defaultdict(dict)  # in run order
     for r in rows:
         s = r["shape"]
@@ -743,7 +745,9 @@ def _decode_tables(rows: list[dict], title: str, method: str) -> list[Table]:
             r["implementation"]] = r
     for k, c in cells.items():
         cp = c.get(COPY)
-        line = ["x".join(map(str, k[:5])), str(k[5]), _bytes(next(iter(c.values())).get("kv_bytes")),
+        splits = (c.get("cuflash") or {}).get("num_splits")
+        line = ["x".join(map(str, k[:5])), str(k[5]), "" if splits is None else str(splits),
+                _bytes(next(iter(c.values())).get("kv_bytes")),
                 _fmt(cp["tb_per_s"], ".2f") if _ok(cp) else _status(cp)]
         for i in impls:
             r = c.get(i)

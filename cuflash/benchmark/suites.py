@@ -248,7 +248,7 @@ def kernel_configs(s: Settings, names: list[str], compute_capability: int = 0) -
             continue
         p = suite_params(name, s, "gpu")
         if name == "decode":
-            out.extend(forward(c.dtype, c.head_dim, decode.variant_bits(c)) for c in decode.cells(p))
+            out.extend(k for c in decode.cells(p) for k in decode.kernels(c, compute_capability, s.family))
             continue
         for c in suite_cases(name, p):
             for bits in ([variant_bits(v, c) for v in p["variants"]] if name == "variants"
@@ -666,7 +666,7 @@ class Runner:
                 self._cell(rows, budget, cell.case, impl, "fwd", measure)
                 rows[-1].update(cell.extra())
                 if impl.name == "cuflash":
-                    rows[-1]["family"] = kernel_family(cell.case, "fwd", decode.variant_bits(cell))
+                    rows[-1]["family"] = decode.kernels(cell, compute_capability(), self.s.family)[0].family
         data = None
         decode.add_copy_fractions(rows)
         return {}
