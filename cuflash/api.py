@@ -18,6 +18,8 @@ import contextlib
 import functools
 import importlib
 
+import numpy as np
+
 from . import _checks, _interop, _mask, _philox, _plan
 from .config import ITEMSIZE, acc_dtype as lse_dtype, backward_workspace, ceil_div, numpy_dtype
 
@@ -479,6 +481,25 @@ def _append(k_cache, v_cache, k, v, cache_seqlens, block_table, capacity: int) -
         cache[first, row] = xp.where(keep, new, cache[first, row])
 
 
+def _key_counts(cache_seqlens, seqlen_new: int, xp):
+    """Each entry's keys, cache_seqlens + seqlen_new, int32, in as few launches as it takes (one CuPy kernel, none
+    without an append): summed in int64 and clipped to [-1, 2**31 - 1], no wrap-around to a count the kernels
+    would not clamp."""
+    if not seqlen_new:
+        return cache_seqlens
+    if xp is np:
+        return np.clip(cache_seqlens.astype(np.int64) + seqlen_new, -1, 2**31 - 1).astype(np.int32)
+    return _add_clipped()(cache_seqlens, seqlen_new)
+
+
+@functools.cache
+def _add_clipped():
+    import cupy
+
+    return cupy.ElementwiseKernel("int32 x, int64 n", "int32 y", "long long s = (long long)x + n; "
+                                  "y = s > 2147483647LL ? 2147483647 : (s < -1 ? -1 : (int)s)", "cuflash_key_counts")
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None, causal=False,
                             softmax_scale=None, window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, num_splits=0,
                             return_lse=False, backend="auto", check_inputs=False):
@@ -547,9 +568,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         xp = importlib.import_module("cupy" if call.on_device else "numpy")
         if _checks._is_int(cache_seqlens):
             counts = xp.full((b,), min(int(cache_seqlens) + seqlen_new, 2**31 - 1), dtype=xp.int32)
-        else:  # in int64, then clipped: no wrap-around to a count the kernels would not clamp
-            counts = call.working("cache_seqlens", cache_seqlens).astype(xp.int64) + seqlen_new
-            counts = xp.clip(counts, -1, 2**31 - 1).astype(xp.int32)
+        else:
+            counts = _key_counts(call.working("cache_seqlens", cache_seqlens), seqlen_new, xp)
         bt = call.working("block_table", block_table)
         if b and sq and h:
             call.be.kvcache_forward(*ins, counts, bt, causal=causal, softmax_scale=scale, out=o_work, lse=lse,

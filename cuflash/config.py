@@ -177,8 +177,10 @@ _TILES: dict[str, dict[int, tuple[int, int, int]]] = {
                             160: (32, 16, 4), 192: (32, 16, 4), 224: (16, 16, 4), 256: (16, 16, 4)},
     "flash_bwd_dq_simt": {32: (64, 32, 4), 64: (64, 32, 4), 96: (32, 32, 4), 128: (32, 32, 4),
                           160: (32, 16, 4), 192: (32, 16, 4), 224: (16, 16, 4), 256: (16, 16, 4)},
-    # Decoding (flash_decode.cu): 16 packed query rows, 4 warps, each streaming 16 keys of every 64-key block
-    "flash_decode": {d: (16, 64, 4) for d in HEAD_DIMS},
+    # Decoding (flash_decode.cu): 16 packed query rows; each warp streams 16 keys of every key block. Measured on
+    # the H200 (bench/RESULTS.md, 2026-12-01 (h)): 8 warps beat 4 at d = 64 (4.04 against 3.87 TB/s, 3 stages),
+    # not at d = 128 (2 stages there; 4.07 against 4.07-4.14)
+    "flash_decode": {d: (16, 128, 8) if d <= 64 else (16, 64, 4) for d in HEAD_DIMS},
 }
 
 
@@ -395,17 +397,18 @@ def decode_stages(cfg: KernelConfig) -> int:
     return 3 if (cfg.block_m + 2 * 3 * cfg.block_n) * row <= SMEM_LIMIT[80] else 2
 
 
-def decode_splits(tiles: int, key_blocks: int, sms: int, blocks_per_sm: int) -> int:
-    """num_splits=0's choice: tiles (batch * nheads_k * packed query blocks) that fill less than 80 % of a wave
-    of sms * blocks_per_sm blocks are split, into the fewest splits whose last wave is within 85 % of the
-    fullest possible, at most one key block per split and MAX_SPLITS."""
-    wave = sms * blocks_per_sm
-    if tiles <= 0 or tiles >= 0.8 * wave:
+def decode_splits(tiles: int, key_blocks: int, sms: int) -> int:
+    """num_splits=0's choice: tiles (batch * nheads_k * packed query blocks) that leave more than a fifth of the
+    sms idle are split, into the fewest splits whose blocks fill their last round of sms within 95 % of the
+    fullest possible; at most one key block per split and MAX_SPLITS. Rounds of one block per SM, not of the
+    blocks an SM can hold: the blocks stream memory alike, and an SM with two of them takes twice as long
+    (bench/decode_splits.py)."""
+    if tiles <= 0 or tiles >= 0.8 * sms:
         return 1
     top = max(1, min(MAX_SPLITS, key_blocks))
-    fill = [tiles * s / (ceil_div(tiles * s, wave) * wave) for s in range(1, top + 1)]
+    fill = [tiles * s / (ceil_div(tiles * s, sms) * sms) for s in range(1, top + 1)]
     best = max(fill)
-    return next(s for s, f in enumerate(fill, 1) if f >= 0.85 * best)
+    return next(s for s, f in enumerate(fill, 1) if f >= 0.95 * best)
 
 
 def sm90_stages(cfg: KernelConfig) -> int:

@@ -36,6 +36,39 @@ __host__ __device__ constexpr int decode_stages(int head_dim, int block_n) {
     return (16 + 2 * 3 * block_n) * (head_dim + 8) * 2 <= static_cast<int>(kSmemPortable) ? 3 : 2;
 }
 
+// Key rows [key0, key0 + kRows) of one entry (KeyRows, seqinfo.cuh) into a shared tile (pitch kPitch), by the 32
+// lanes of one warp. A dense entry's rows are one run; a paged entry's come in runs of 16, one page lookup each
+// (page sizes are multiples of 16). Rows past seqlen_k, or on a page outside the pool, are zero-filled and read
+// nothing. A run of kRun whole rows (the loop's common case) skips cp_async_tile's per-chunk predicates.
+template <int kRows, int kCols, int kPitch, typename T, class Rows>
+__device__ __forceinline__ void cp_async_key_run(T* smem, const Rows& rows, int key0, int seqlen_k, int cols_valid,
+                                                 int lane) {
+    constexpr int kRun = Rows::kPaged ? 16 : kRows;
+    static_assert(kRows % kRun == 0, "runs of 16 keys");
+    using S = TileShape<kRun, kCols, 32>;
+#pragma unroll
+    for (int r = 0; r < kRows; r += kRun) {
+        const int key = key0 + r;
+        const T* src = rows.base;
+        const bool any = key < seqlen_k && rows.row(key, src);
+        const int valid = any ? seqlen_k - key : 0;
+        if (valid >= kRun && cols_valid == kCols) {
+            const int row_t = lane / S::kThreadsPerRow, col_t = (lane % S::kThreadsPerRow) * 8;
+            const unsigned dst = smem_u32(smem + (r + row_t) * kPitch + col_t);
+            const T* from = src + row_t * rows.row_stride + col_t;
+#pragma unroll
+            for (int j = 0; j < S::kRowIters; ++j)
+#pragma unroll
+                for (int c = 0; c < S::kColIters; ++c)
+                    cp_async_16(dst + (j * S::kRowStep * kPitch + c * S::kThreadsPerRow * 8) * sizeof(T),
+                                from + j * S::kRowStep * rows.row_stride + c * S::kThreadsPerRow * 8, true);
+        } else {
+            cp_async_tile<kRun, kCols, kPitch, 32>(smem + r * kPitch, any ? src : rows.base, rows.row_stride, valid,
+                                                   cols_valid, lane);
+        }
+    }
+}
+
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kVariant>
 __global__ void __launch_bounds__(kNWarps * 32, 1) flash_decode(const __grid_constant__ DecodeParams dp) {
     static_assert(sizeof(T) == 2, "tensor-core kernel: __half or __nv_bfloat16");
@@ -106,14 +139,11 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_decode(const __grid_con
     const auto v_rows = key_rows<kIsPaged, T>(p, seq, p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride,
                                               batch, head_k);
     auto load_stage = [&](int i) {
+        // A slice past the keys loads zeros (P V then meets 0, never stale bits)
         const int key0 = (n_begin + i) * kBlockN + warp * kWarpKeys;
-        // A slice wholly past the keys loads zeros from row 0 (reads nothing): P V then meets 0, never stale bits
-        const bool any = key0 < seqlen_k;
         T* sK = sRing + (i % kStages) * kSlot;
-        cp_async_keys<kWarpKeys, kHeadDim, kPitch, 32>(sK, k_rows, any ? key0 : 0, any ? seqlen_k - key0 : 0,
-                                                       head_dim, lane);
-        cp_async_keys<kWarpKeys, kHeadDim, kPitch, 32>(sK + kWarpKeys * kPitch, v_rows, any ? key0 : 0,
-                                                       any ? seqlen_k - key0 : 0, head_dim, lane);
+        cp_async_key_run<kWarpKeys, kHeadDim, kPitch>(sK, k_rows, key0, seqlen_k, head_dim, lane);
+        cp_async_key_run<kWarpKeys, kHeadDim, kPitch>(sK + kWarpKeys * kPitch, v_rows, key0, seqlen_k, head_dim, lane);
     };
 #pragma unroll
     for (int i = 0; i < kStages - 1; ++i) {
@@ -194,7 +224,11 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_decode(const __grid_con
         }
 
         // [7] Online softmax: update row_max, rescale acc_o and row_sum, P = exp2(S * scale_log2 - row_max * scale_log2)
-        softmax.update(acc_s, acc_o, scale_log2);
+        // acc_o's rescale only where some row's max moved (a factor of exactly 1 otherwise): once the maxima settle,
+        // the 4 * kNTilesO multiplies per key block are skipped.
+        float correction[2];
+        softmax.update(acc_s, scale_log2, correction);
+        if (__any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f)) softmax.rescale(acc_o, correction);
 
         // [8] O += P V
 #pragma unroll

@@ -196,6 +196,7 @@ def test_decode_choice():
     main, combine = config.choose_decode("bfloat16", 100, seq, packed_rows=4)
     assert (main.kernel, main.head_dim, main.block_m, main.block_n, main.warps, main.variant) == (
         "flash_decode", 128, 16, 64, 4, seq)
+    assert config.choose_decode("bfloat16", 64, seq, packed_rows=4)[0].block_n == 128
     assert (combine.kernel, combine.head_dim, combine.warps) == ("flash_decode_combine", 128, 4)
     assert combine.template_name == "cuflash::flash_decode_combine<__nv_bfloat16, 128, 4>"
     assert main.family == "mma" and combine.smem_bytes == 0
@@ -211,16 +212,16 @@ def test_decode_choice():
     for d in config.HEAD_DIMS:
         cfg = config.choose_decode("float16", d, seq, packed_rows=1)[0]
         assert config.decode_stages(cfg) == (3 if d <= 192 else 2)
-        assert cfg.smem_bytes == (16 + 2 * config.decode_stages(cfg) * 64) * (d + 8) * 2 <= config.SMEM_LIMIT[80]
+        assert cfg.smem_bytes == (16 + 2 * config.decode_stages(cfg) * cfg.block_n) * (d + 8) * 2 <= config.SMEM_LIMIT[80]
 
 
-@pytest.mark.parametrize("tiles,key_blocks,sms,per_sm,want", [
-    (8, 2048, 132, 2, 29),  # B=1, 8 kv heads, 131k keys: 232 blocks, the fewest within 85 % of a full wave
-    (64, 512, 132, 2, 4),  # B=8, 8 kv heads: 256 of 264
-    (512, 64, 132, 2, 1),  # B=64: already two waves
-    (128, 256, 132, 3, 3),  # d = 64, three blocks per SM: 384 of 396
-    (8, 3, 132, 2, 3),  # never more splits than key blocks
-    (0, 10, 132, 2, 1),
+@pytest.mark.parametrize("tiles,key_blocks,sms,want", [
+    (8, 2048, 132, 16),  # B=1, 8 kv heads, 131k keys: 128 blocks, within 95 % of 264 (two full rounds)
+    (64, 512, 132, 2),  # B=8, 8 kv heads: 128 blocks
+    (512, 64, 132, 1),  # B=64: four rounds already
+    (128, 256, 132, 1),  # 128 of 132 SMs busy: not split
+    (8, 3, 132, 3),  # never more splits than key blocks
+    (0, 10, 132, 1),
 ])
-def test_decode_splits(tiles, key_blocks, sms, per_sm, want):
-    assert config.decode_splits(tiles, key_blocks, sms, per_sm) == want
+def test_decode_splits(tiles, key_blocks, sms, want):
+    assert config.decode_splits(tiles, key_blocks, sms) == want

@@ -199,21 +199,8 @@ def split_count(cfg, tiles: int, capacity: int, num_splits: int) -> int:
     per key block of the capacity. tiles: batch * nheads_k * packed query blocks."""
     key_blocks = max(1, ceil_div(capacity, cfg.block_n))
     if num_splits == 0:
-        num_splits = decode_splits(tiles, key_blocks, _multiprocessors(), _blocks_per_sm(cfg))
+        num_splits = decode_splits(tiles, key_blocks, _multiprocessors())
     return max(1, min(num_splits, key_blocks))
-
-
-def _blocks_per_sm(cfg) -> int:
-    """Blocks of cfg that one SM of the current device holds at once (the driver's occupancy: registers, shared
-    memory, threads)."""
-    from cupy.cuda import driver, runtime
-
-    return _occupancy(cfg, runtime.getDevice(), driver.occupancyMaxActiveBlocksPerMultiprocessor)
-
-
-@functools.lru_cache(maxsize=None)
-def _occupancy(cfg, device: int, occupancy) -> int:
-    return max(1, int(occupancy(int(_compile.kernel(cfg).kernel.ptr), cfg.threads, cfg.smem_bytes)))
 
 
 @functools.lru_cache(maxsize=None)
