@@ -57,7 +57,7 @@ from __future__ import annotations
 import functools
 import math
 
-from numba import cuda
+from numba import cuda, int32
 
 from ..config import LOCAL, PAGED, SOFTCAP, decode_stages
 from .flash_fwd import LOG2E, acc_type, load_keys
@@ -196,8 +196,9 @@ def make_flash_decode(cfg, stages: int = 0):
         # Q (CUDA: the oldest cp.async group) has landed for every thread, and so for all after the barrier
         cuda.syncthreads()
         # The query rows of this thread's two packed rows g and g + 8 (the mask's rows)
-        q_row0 = (r0 + g) // group
-        q_row1 = (r0 + g + 8) // group
+        q_row = cuda.local.array(2, int32)
+        q_row[0] = (r0 + g) // group
+        q_row[1] = (r0 + g + 8) // group
 
         acc_s = cuda.local.array((2, S_CPT), ACC)
         acc_o = cuda.local.array((2, O_CPT), ACC)
@@ -237,7 +238,7 @@ def make_flash_decode(cfg, stages: int = 0):
                     acc_s[h, j] = s
 
             # [6] Score modifier (softcap); mask the sequence tail, the causal diagonal and the window
-            # acc_s[h, j]: packed row g + 8h (query row q_row0 / q_row1), key key0 + t + 4j
+            # acc_s[h, j]: packed row g + 8h (query row q_row[h]), key key0 + t + 4j
             if TRANSFORM:
                 for h in range(2):
                     for j in range(S_CPT):
@@ -247,9 +248,8 @@ def make_flash_decode(cfg, stages: int = 0):
             if tile_needs_mask(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, row_lo, row_hi, key0,
                                key0 + WARP_KEYS):
                 for h in range(2):
-                    row = q_row0 if h == 0 else q_row1
                     for j in range(S_CPT):
-                        if not visible(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, row,
+                        if not visible(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, q_row[h],
                                        key0 + t + QUAD * j):
                             acc_s[h, j] = -math.inf
 
