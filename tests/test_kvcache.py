@@ -313,11 +313,11 @@ SIM_API = ("api_append", (2, 2, 2, 1, 16, 128, 2, [5, 100], True, 64, "float64",
 # name -> (batch, seqlen_q, nheads, nheads_k, head_dim, capacity, cache_seqlens, causal, page_size, dtype,
 #          variants, num_splits to run). Each runs dense (and paged with a page_size: bitwise the dense result).
 DECODE_CASES = {
-    "group1": (2, 1, 2, 2, 16, 48, [0, 35], False, None, "float64", {}, (1, 3)),  # entry 0: no key
+    "group1": (2, 1, 2, 2, 16, 48, [0, 35], False, None, "float64", {}, (1, 2, 3)),  # entry 0: no key; 2: uneven shares
     "group4_causal_sq3": (2, 3, 8, 2, 16, 48, [41, 2], True, 16, "float64", {}, (1, 3)),
     "group4_sq3": (2, 3, 8, 2, 16, 48, [41, 17], False, None, "float32", {}, (1, 3)),
     "group4_sq5_causal": (1, 5, 4, 1, 16, 48, [33], True, None, "float64", {}, (1, 3)),  # 20 packed rows: 2 tiles
-    "window": (2, 3, 4, 2, 16, 48, [44, 9], False, 16, "float64", dict(window=(6, 1)), (1, 3)),
+    "window": (2, 3, 4, 2, 16, 48, [44, 9], False, 16, "float64", dict(window=(6, 1)), (1, 2, 3)),
     "window_causal": (1, 1, 4, 1, 16, 48, [47], True, None, "float64", dict(window=(20, -1)), (1, 3)),
     "softcap": (2, 1, 8, 2, 16, 48, [30, 47], True, None, "float32", dict(softcap=2.0), (1, 3)),
     # num_splits past the cache's 2 key blocks: clamped to 2; entry 1's one block leaves split 1 empty
