@@ -18,6 +18,14 @@ Config: cuflash.config.choose_forward / choose_backward, with the tiles shrunk w
 a prototype's static shared memory fits in 48 KiB (Numba has no opt-in for more). The backward runs
 flash_bwd.cu's three kernels (preprocess, flash_bwd, postprocess) for every dtype, fp32 / fp64 with the
 tensor-core tiles (the prototype has no SIMT variant); deterministic=True sets DETERMINISTIC.
+
+KV cache: kvcache_forward runs flash_decode.cu's prototype (and its combine when split) where
+config.choose_decode serves the call, for every dtype: fp16 / bf16 as the CUDA backend decides, float32 /
+float64 with the same decision and tiles (the CUDA backend runs flash_fwd_simt for them; the prototype computes
+in acc_t either way). num_splits=0 is decode_splits over DECODE_NOTIONAL_SMS one-block SMs (the same choice on
+every machine), and every count is clamped to [1, the cache's key blocks] as the CUDA backend clamps it.
+Elsewhere (ALiBi, more than DECODE_MAX_ROWS packed rows without num_splits > 1, or on a GPU no decode tile within
+48 KiB) flash_fwd's prototype serves it, unsplit.
 """
 
 from __future__ import annotations
