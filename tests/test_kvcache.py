@@ -576,5 +576,29 @@ def test_decode_num_splits_rule():
     assert decode_num_splits(7, 4, 2) == 2 and decode_num_splits(3, 4, 10) == 3 and decode_num_splits(1, 1, 1) == 1
 
 
+def test_decode_configs_fit_static_smem(monkeypatch):
+    """On a GPU (not the simulator) the decode prototype's tiles fit Numba's 48 KiB of static shared memory, or the
+    call goes to flash_fwd's prototype; choose_decode's rule decides which calls the decode prototype serves."""
+    pytest.importorskip("numba_cuda")
+    from cuflash.backends import numba as nb
+    from cuflash.config import ALIBI, HEAD_DIMS, LOCAL, PAGED, SEQUSED, SOFTCAP, WINDOW
+    from cuflash.proto import flash_decode as fd
+
+    monkeypatch.setattr(nb, "_simulator", lambda: False)
+    served = 0
+    for dt in ("float16", "bfloat16", "float32", "float64"):
+        for d in HEAD_DIMS:
+            got = nb._decode_configs(dt, d, SEQUSED | PAGED | LOCAL | WINDOW | SOFTCAP, 4, 0)
+            if got is not None:
+                cfg, combine, stages = got
+                assert cfg.dtype == combine.dtype == dt and combine.head_dim == cfg.head_dim
+                assert fd.layout_ok(cfg) and fd.smem_bytes(cfg, stages) <= nb.STATIC_SMEM_LIMIT
+                served += 1
+    assert served >= 8
+    assert nb._decode_configs("float16", 64, SEQUSED | ALIBI, 4, 0) is None
+    assert nb._decode_configs("float16", 64, SEQUSED, 65, 1) is None
+    assert nb._decode_configs("float16", 64, SEQUSED, 65, 2) is not None
+
+
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--sim-worker":
     _sim_worker(sys.argv[2])
