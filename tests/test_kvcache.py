@@ -312,6 +312,86 @@ SIM_CASES = {
 SIM_API = ("api_append", (2, 2, 2, 1, 16, 128, 2, [5, 100], True, 64, "float64", {}))
 
 
+# flash_decode's prototype (proto/flash_decode.py) with small tiles: 16 packed rows, key blocks of 16 keys over 2
+# warps (8 keys each), the compiled head dim 32 (the arrays' 16 zero-filled past it).
+# name -> (batch, seqlen_q, nheads, nheads_k, head_dim, capacity, cache_seqlens, causal, page_size, dtype,
+#          variants, num_splits to run). Each runs dense (and paged with a page_size: bitwise the dense result).
+DECODE_CASES = {
+    "group1": (2, 1, 2, 2, 16, 48, [0, 35], False, None, "float64", {}, (1, 2, 3)),  # entry 0: no key; 2: uneven shares
+    "group4_causal_sq3": (2, 3, 8, 2, 16, 48, [41, 2], True, 16, "float64", {}, (1, 3)),
+    "group4_sq3": (2, 3, 8, 2, 16, 48, [41, 17], False, None, "float32", {}, (1, 3)),
+    "group4_sq5_causal": (1, 5, 4, 1, 16, 48, [33], True, None, "float64", {}, (1, 3)),  # 20 packed rows: 2 tiles
+    "window": (2, 3, 4, 2, 16, 48, [44, 9], False, 16, "float64", dict(window=(6, 1)), (1, 2, 3)),
+    "window_causal": (1, 1, 4, 1, 16, 48, [47], True, None, "float64", dict(window=(20, -1)), (1, 3)),
+    "softcap": (2, 1, 8, 2, 16, 48, [30, 47], True, None, "float32", dict(softcap=2.0), (1, 3)),
+    # num_splits past the cache's 2 key blocks: clamped to 2; entry 1's one block leaves split 1 empty
+    "more_splits": (2, 2, 4, 2, 16, 32, [31, 5], True, None, "float64", {}, (1, 7)),
+}
+DECODE_BLOCK_N, DECODE_WARPS, DECODE_HEAD_DIM = 16, 2, 32
+
+
+def _decode_cfgs(dt, variant, stages=0):
+    from cuflash.config import KernelConfig
+
+    return (KernelConfig("flash_decode", dt, DECODE_HEAD_DIM, 16, DECODE_BLOCK_N, DECODE_WARPS, variant),
+            KernelConfig("flash_decode_combine", dt, DECODE_HEAD_DIM, 0, 0, 4, 0), stages)
+
+
+def _decode_worker(arrays):
+    import cuflash.api as api
+    from cuflash import _params
+    from cuflash.backends import numba as nb
+
+    for seed, (name, case) in enumerate(DECODE_CASES.items(), 100):
+        b, sq, h, hk, d, cap, lens, causal, ps, dt, variants, splits = case
+        try:
+            c = make_cache(np.random.default_rng(seed), b, sq, h, hk, d, cap, 0, lens, page_size=ps, dtype=dt)
+            layouts = [("dense", c["k_cache"], c["v_cache"], None)]
+            if ps:
+                layouts.append(("paged", c["k_cache_paged"], c["v_cache_paged"], c["block_table"]))
+            for label, kc, vc, table in layouts:
+                kvcache = (c["counts"], table)
+                cfgs = _decode_cfgs(dt, _params.variant(causal, kvcache=kvcache, **variants))
+                for n in splits:
+                    o, lse = nb._decode(c["q"], kc, vc, kvcache=kvcache, causal=causal, softmax_scale=1.0 / math.sqrt(d),
+                                        num_splits=n, cfgs=cfgs, **variants)
+                    arrays[f"decode/{name}/{label}/{n}/o"], arrays[f"decode/{name}/{label}/{n}/lse"] = o, lse
+            arrays[f"decode/{name}/failure"] = np.array("")
+        except Exception:
+            arrays[f"decode/{name}/failure"] = np.array(traceback.format_exc())
+
+    # the ring: 2 stages against decode_stages' 3, the same loads in the same order (bitwise)
+    try:
+        b, sq, h, hk, d, cap, lens, causal, ps, dt, variants, _ = DECODE_CASES["group4_causal_sq3"]
+        c = make_cache(np.random.default_rng(101), b, sq, h, hk, d, cap, 0, lens, page_size=ps, dtype=dt)
+        kvcache = (c["counts"], None)
+        variant = _params.variant(causal, kvcache=kvcache)
+        for stages in (2, 3):
+            o, lse = nb._decode(c["q"], c["k_cache"], c["v_cache"], kvcache=kvcache, causal=causal,
+                                softmax_scale=1.0 / math.sqrt(d), num_splits=2, cfgs=_decode_cfgs(dt, variant, stages))
+            arrays[f"decode/stages/{stages}/o"], arrays[f"decode/stages/{stages}/lse"] = o, lse
+        arrays["decode/stages/failure"] = np.array("")
+    except Exception:
+        arrays["decode/stages/failure"] = np.array(traceback.format_exc())
+
+    # 16-bit inputs through the public API, the backend's own configs (16 x 64 tiles, 4 warps) and num_splits
+    for dt in ("float16", "bfloat16"):
+        try:
+            from cuflash.config import numpy_dtype
+
+            c = make_cache(np.random.default_rng(110), 2, 2, 8, 2, 32, 128, 1, [100, 3], page_size=16,
+                           dtype=numpy_dtype(dt))
+            cs = np.array([100, 3], dtype=np.int32)
+            for n in (0, 1, 2):
+                kc, vc = c["k_cache"].copy(), c["v_cache"].copy()
+                o, lse = api.flash_attn_with_kvcache(c["q"], kc, vc, c["k"], c["v"], cache_seqlens=cs, causal=True,
+                                                     num_splits=n, return_lse=True, backend="numba")
+                arrays[f"decode/api_{dt}/{n}/o"], arrays[f"decode/api_{dt}/{n}/lse"] = o.astype(np.float64), lse
+            arrays[f"decode/api_{dt}/failure"] = np.array("")
+        except Exception:
+            arrays[f"decode/api_{dt}/failure"] = np.array(traceback.format_exc())
+
+
 def _sim_kw(variants):
     kw = dict(variants)
     if "alibi_slopes" in kw:
@@ -376,6 +456,7 @@ def _sim_worker(out_path: str) -> None:
         arrays[f"{name}/failure"] = np.array("")
     except Exception:
         arrays[f"{name}/failure"] = np.array(traceback.format_exc())
+    _decode_worker(arrays)
     np.savez(out_path, **arrays)
 
 
@@ -429,6 +510,98 @@ def test_numba_api_append(sim):
     assert_matches(sim[f"{name}/dense/o"], sim[f"{name}/dense/lse"], *want, 1e-12)
     for key in ("o", "lse"):
         assert np.array_equal(sim[f"{name}/paged/{key}"], sim[f"{name}/dense/{key}"])
+
+
+DECODE_TOL = {"float64": 1e-12, "float32": 2e-6}
+
+
+@pytest.mark.parametrize("name", list(DECODE_CASES))
+def test_numba_decode_matches_reference(sim, name):
+    """flash_decode's prototype, unsplit and split, against the float64 reference; the split result within
+    rounding of the unsplit one; paged bitwise dense."""
+    from cuflash.backends.numba import decode_num_splits
+
+    _ok(sim, f"decode/{name}")
+    b, sq, h, hk, d, cap, lens, causal, ps, dt, variants, splits = DECODE_CASES[name]
+    c = make_cache(np.random.default_rng(100 + list(DECODE_CASES).index(name)), b, sq, h, hk, d, cap, 0, lens,
+                   page_size=ps, dtype=dt)
+    want = kv_reference(c["q"].astype(np.float64), c["k_logical"].astype(np.float64),
+                        c["v_logical"].astype(np.float64), c["counts"], causal=causal, **variants)
+    tol = DECODE_TOL[dt]
+    key = lambda label, n, x: sim[f"decode/{name}/{label}/{n}/{x}"]
+    for n in splits:
+        assert_matches(key("dense", n, "o"), key("dense", n, "lse"), *want, tol)
+    base = splits[0]
+    for n in splits[1:]:
+        # the same keys, merged in another order: equal to rounding (exactly -inf where no key is seen)
+        assert_matches(key("dense", n, "o"), key("dense", n, "lse"), key("dense", base, "o").astype(np.float64),
+                       key("dense", base, "lse").astype(np.float64), tol)
+    if ps:
+        for n in splits:
+            for x in ("o", "lse"):
+                assert np.array_equal(key("paged", n, x), key("dense", n, x))
+    if name == "more_splits":
+        m_blocks = -(-sq * (h // hk) // 16)
+        assert decode_num_splits(splits[-1], b * hk * m_blocks, -(-cap // DECODE_BLOCK_N)) == 2
+    if 0 in lens:  # an entry with no key: o = 0, lse = -inf, split or not
+        for n in splits:
+            assert np.isneginf(key("dense", n, "lse")[lens.index(0)]).all()
+            assert not key("dense", n, "o")[lens.index(0)].any()
+
+
+def test_numba_decode_ring_stages(sim):
+    _ok(sim, "decode/stages")
+    for x in ("o", "lse"):
+        assert np.array_equal(sim[f"decode/stages/2/{x}"], sim[f"decode/stages/3/{x}"])
+
+
+@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+def test_numba_decode_api_16bit(sim, dt):
+    """fp16 / bf16 through flash_attn_with_kvcache: choose_decode's configs, num_splits 0 (chosen), 1 and 2,
+    against the float64 reference over the same (rounded) inputs, the 16-bit rule of test_paged_equals_dense."""
+    from cuflash.config import numpy_dtype
+
+    _ok(sim, f"decode/api_{dt}")
+    c = make_cache(np.random.default_rng(110), 2, 2, 8, 2, 32, 128, 1, [100, 3], page_size=16, dtype=numpy_dtype(dt))
+    want = kv_reference(*(c[n].astype(np.float64) for n in ("q", "k_logical", "v_logical")), c["counts"], causal=True)
+    for n in (0, 1, 2):
+        assert_matches(sim[f"decode/api_{dt}/{n}/o"], sim[f"decode/api_{dt}/{n}/lse"], *want,
+                       {"float16": 2e-3, "bfloat16": 2e-2}[dt])
+
+
+def test_decode_num_splits_rule():
+    """num_splits=0 on the Numba backend: config.decode_splits over DECODE_NOTIONAL_SMS one-block SMs, clamped to
+    the key blocks; an explicit count is clamped to [1, key blocks]."""
+    from cuflash.backends.numba import DECODE_NOTIONAL_SMS, decode_num_splits
+    from cuflash.config import decode_splits
+
+    assert decode_num_splits(0, 4, 10) == decode_splits(4, 10, DECODE_NOTIONAL_SMS, 1) > 1
+    assert decode_num_splits(0, 1000, 10) == 1  # a full wave: no split
+    assert decode_num_splits(7, 4, 2) == 2 and decode_num_splits(3, 4, 10) == 3 and decode_num_splits(1, 1, 1) == 1
+
+
+def test_decode_configs_fit_static_smem(monkeypatch):
+    """On a GPU (not the simulator) the decode prototype's tiles fit Numba's 48 KiB of static shared memory, or the
+    call goes to flash_fwd's prototype; choose_decode's rule decides which calls the decode prototype serves."""
+    pytest.importorskip("numba_cuda")
+    from cuflash.backends import numba as nb
+    from cuflash.config import ALIBI, HEAD_DIMS, LOCAL, PAGED, SEQUSED, SOFTCAP, WINDOW
+    from cuflash.proto import flash_decode as fd
+
+    monkeypatch.setattr(nb, "_simulator", lambda: False)
+    served = 0
+    for dt in ("float16", "bfloat16", "float32", "float64"):
+        for d in HEAD_DIMS:
+            got = nb._decode_configs(dt, d, SEQUSED | PAGED | LOCAL | WINDOW | SOFTCAP, 4, 0)
+            if got is not None:
+                cfg, combine, stages = got
+                assert cfg.dtype == combine.dtype == dt and combine.head_dim == cfg.head_dim
+                assert fd.layout_ok(cfg) and fd.smem_bytes(cfg, stages) <= nb.STATIC_SMEM_LIMIT
+                served += 1
+    assert served >= 8
+    assert nb._decode_configs("float16", 64, SEQUSED | ALIBI, 4, 0) is None
+    assert nb._decode_configs("float16", 64, SEQUSED, 65, 1) is None
+    assert nb._decode_configs("float16", 64, SEQUSED, 65, 2) is not None
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--sim-worker":

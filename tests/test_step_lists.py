@@ -77,6 +77,22 @@ SM90_BWD_STEPS = [
     (9, "dS into shared memory; dQ_accum += dS K (wgmma), fp32 atomic adds, in key-block order when deterministic"),
     BWD_STEPS[9],
 ]
+# kernels_cu/flash_decode.cu (flash_decode [1] .. [10], flash_decode_combine [11], [12]) and cuflash/proto/flash_decode.py
+DECODE_STEPS = [
+    (1, "Block coordinates: packed query block, split, kv head, batch; the mask gives the key blocks, the split its "
+        "share"),
+    (2, "Load the Q tile: packed row r is query row r / group of head head_k * group + r % group"),
+    (3, "Each warp: its slice of the first key blocks into its own ring of stages"),
+    (4, "Wait for this warp's slice of the key block; refill the stage freed by the previous one"),
+    (5, "S = Q K^T"),
+    (6, "Score modifier (softcap); mask the sequence tail, the causal diagonal and the window"),
+    (7, "Online softmax: update row_max, rescale acc_o and row_sum, P = exp2(S * scale_log2 - row_max * scale_log2)"),
+    (8, "O += P V"),
+    (9, "Merge the warps: row max, row sum and O of each warp through shared memory"),
+    (10, "Store O and LSE, or this split's partial O and LSE"),
+    (11, "Combine: the largest partial LSE, the splits' weights exp(lse_s - max) and their sum"),
+    (12, "O = sum_s weight_s O_s / sum; LSE = max + log(sum); a row no split saw gives O = 0, LSE = -inf"),
+]
 # kernels_cu/mask.cuh and cuflash/proto/mask.py: one step per rule of Mask and ScoreMod, in functions of
 # the same names (the mma.sync layout walks of mma.cuh have no prototype and no step).
 MASK_STEPS = [
@@ -148,6 +164,8 @@ def assert_same(a: Path, b: Path, *, drop=()):
     (PROTO / "flash_bwd_sm90.py", SM90_BWD_STEPS),
     (KERNELS / "flash_bwd_simt.cu", SIMT_BWD_STEPS),
     (PROTO / "flash_bwd.py", BWD_STEPS),
+    (KERNELS / "flash_decode.cu", DECODE_STEPS),
+    (PROTO / "flash_decode.py", DECODE_STEPS),
     (KERNELS / "mask.cuh", MASK_STEPS),
     (PROTO / "mask.py", MASK_STEPS),
     (KERNELS / "softmax.cuh", SOFTMAX_STEPS),
@@ -170,6 +188,7 @@ def test_contract_steps(path, expected):
     ("flash_fwd_sm90.cu", "flash_fwd_sm90.py"),
     ("flash_bwd_sm90.cu", "flash_bwd_sm90.py"),
     ("flash_bwd.cu", "flash_bwd.py"),
+    ("flash_decode.cu", "flash_decode.py"),
     ("mask.cuh", "mask.py"),
     ("softmax.cuh", "softmax.py"),
     ("seqinfo.cuh", "seqinfo.py"),
@@ -213,7 +232,7 @@ def test_numpy_backend_steps_are_a_subsequence():
 
 def test_prototype_mma_markers():
     """Each tensor-core MMA of the kernels is a per-thread FMA loop marked `# CUDA: mma.sync`."""
-    for name, at_least in (("flash_fwd.py", 2), ("flash_bwd.py", 6)):
+    for name, at_least in (("flash_fwd.py", 2), ("flash_bwd.py", 6), ("flash_decode.py", 2)):
         n = (PROTO / name).read_text().count("# CUDA: mma.sync")
         assert n >= at_least, f"{name}: {n} `# CUDA: mma.sync` markers, expected >= {at_least}"
 
@@ -247,10 +266,25 @@ def test_sm90_backward_prototype_names():
     assert py.count("# CUDA: wgmma") >= 5
 
 
+def test_decode_prototype_names():
+    """proto/flash_decode.py keeps the kernel's names for its coordinates, split arithmetic and merge, and defines
+    both kernels under their names."""
+    cu = (KERNELS / "flash_decode.cu").read_text()
+    py = (PROTO / "flash_decode.py").read_text()
+    for name in ("m_blocks", "m_block", "split", "head_k", "packed_rows", "row_lo", "row_hi", "n_lo", "n_hi",
+                 "per_split", "n_begin", "n_count", "key0", "q_row", "acc_s", "acc_o", "sO", "sMax", "sSum",
+                 "merged", "partial", "o_partial", "lse_partial", "rows", "idx"):
+        assert re.search(rf"\b{name}\b", cu), f"flash_decode.cu has no {name}"
+        assert re.search(rf"\b{name}\b", py), f"proto/flash_decode.py has no {name}"
+    for name in ("flash_decode", "flash_decode_combine"):
+        assert re.search(rf"^    def {name}\(", py, re.M), f"proto/flash_decode.py defines no {name}"
+
+
 def test_prototype_mask_names():
     """proto/mask.py defines mask.cuh's rules under the same names."""
     cuh = (KERNELS / "mask.cuh").read_text()
     py = (PROTO / "mask.py").read_text()
-    for name in ("col_lo", "col_hi", "visible", "n_block_range", "m_block_range", "needs_mask"):
+    for name in ("col_lo", "col_hi", "visible", "n_block_range", "key_block_range", "m_block_range", "needs_mask",
+                 "tile_needs_mask"):
         assert re.search(rf"\b{name}\s*\(", cuh), f"mask.cuh has no {name}"
         assert re.search(rf"^def {name}\(", py, re.M), f"proto/mask.py has no {name}"

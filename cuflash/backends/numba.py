@@ -18,6 +18,14 @@ Config: cuflash.config.choose_forward / choose_backward, with the tiles shrunk w
 a prototype's static shared memory fits in 48 KiB (Numba has no opt-in for more). The backward runs
 flash_bwd.cu's three kernels (preprocess, flash_bwd, postprocess) for every dtype, fp32 / fp64 with the
 tensor-core tiles (the prototype has no SIMT variant); deterministic=True sets DETERMINISTIC.
+
+KV cache: kvcache_forward runs flash_decode.cu's prototype (and its combine when split) where
+config.choose_decode serves the call, for every dtype: fp16 / bf16 as the CUDA backend decides, float32 /
+float64 with the same decision and tiles (the CUDA backend runs flash_fwd_simt for them; the prototype computes
+in acc_t either way). num_splits=0 is decode_splits over DECODE_NOTIONAL_SMS one-block SMs (the same choice on
+every machine), and every count is clamped to [1, the cache's key blocks] as the CUDA backend clamps it.
+Elsewhere (ALiBi, more than DECODE_MAX_ROWS packed rows without num_splits > 1, or on a GPU no decode tile within
+48 KiB) flash_fwd's prototype serves it, unsplit.
 """
 
 from __future__ import annotations
@@ -374,8 +382,121 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seq
 
 def kvcache_forward(q, k_cache, v_cache, seqlens_k, block_table=None, *, out=None, lse=None, num_splits=0, **kwargs):
     """Attention of q over a KV cache read in place (dense, or page pools with block_table), each entry
-    over its seqlens_k[b] keys, clamped as the CUDA backend's kernels clamp them."""
-    return forward(q, k_cache, v_cache, out=out, lse=lse, kvcache=(seqlens_k, block_table), **kwargs)
+    over its seqlens_k[b] keys, clamped as the CUDA backend's kernels clamp them. flash_decode's prototype
+    serves it where config.choose_decode does (any dtype here, see _decode_configs), with num_splits splits
+    of the keys (0: decode_num_splits), flash_fwd's elsewhere."""
+    kvcache = (seqlens_k, block_table)
+    got = _decode(q, k_cache, v_cache, kvcache=kvcache, num_splits=num_splits, out=out, lse=lse, **kwargs)
+    if got is not None:
+        return got
+    return forward(q, k_cache, v_cache, out=out, lse=lse, kvcache=kvcache, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# Decoding: flash_decode.cu's prototype (cuflash/proto/flash_decode.py)
+
+# num_splits=0 on this backend: config.decode_splits (the CUDA backend's rule) for a notional GPU of
+# DECODE_NOTIONAL_SMS multiprocessors holding one block each, whatever runs the prototype (the simulator has no
+# SMs, and the prototype's occupancy is not the kernel's): a deterministic choice, the same on every machine.
+DECODE_NOTIONAL_SMS = 108
+
+
+def _decode_configs(dt: str, head_dim: int, variant: int, packed_rows: int, num_splits: int):
+    """(flash_decode, flash_decode_combine, stages) configs of a KV-cache call, fitted, or None where flash_fwd's
+    prototype serves it. config.choose_decode decides for fp16 / bf16 as for the CUDA backend; float32 and
+    float64 calls, which the CUDA backend leaves to flash_fwd_simt, take the same decision and tiles here (as
+    the backward's prototype runs flash_bwd.cu's tiles for every dtype): the prototype computes in acc_t
+    whatever the dtype, and so serves the float64 tests at float64 accuracy. None also where no tile of the
+    prototype fits in static shared memory (a GPU, large head dims)."""
+    from ..config import TENSOR_CORE_DTYPES, choose_decode
+
+    pair = choose_decode(dt if dt in TENSOR_CORE_DTYPES else "float16", head_dim, variant, packed_rows=packed_rows,
+                         num_splits=num_splits)
+    if pair is None:
+        return None
+    main, combine = (dataclasses.replace(c, dtype=dt) for c in pair)
+    fitted = fit_decode(main)
+    if fitted is None:
+        return None
+    main, stages = fitted
+    return main, combine, stages
+
+
+def fit_decode(cfg: KernelConfig):
+    """(cfg, 0) (0: decode_stages' ring), or on a GPU the largest (warps, block_n) with a ring of 3 or 2 stages
+    whose flash_decode prototype fits in static shared memory; None if none does (flash_fwd then serves)."""
+    from ..config import decode_stages
+    from ..proto import flash_decode as fd
+
+    if _simulator() or (fd.layout_ok(cfg) and fd.smem_bytes(cfg) <= STATIC_SMEM_LIMIT):
+        return cfg, 0
+    best = None
+    for warps in range(cfg.warps, 0, -1):
+        for bn in (cfg.block_n >> s for s in range(5)):
+            c = dataclasses.replace(cfg, block_n=bn, warps=warps)
+            if not fd.layout_ok(c):
+                continue
+            for stages in (decode_stages(c), 2):
+                if fd.smem_bytes(c, stages) <= STATIC_SMEM_LIMIT:
+                    key = (bn, warps, stages)
+                    if best is None or key > best[0]:
+                        best = (key, (c, stages))
+                    break
+    return None if best is None else best[1]
+
+
+def decode_num_splits(num_splits: int, tiles: int, key_blocks: int) -> int:
+    """The splits a call runs: num_splits, or for 0 config.decode_splits over DECODE_NOTIONAL_SMS blocks; at most
+    the cache's key blocks and at least 1 (as the CUDA backend's decode_launches clamps)."""
+    from ..config import decode_splits
+
+    if num_splits == 0:
+        num_splits = decode_splits(tiles, key_blocks, DECODE_NOTIONAL_SMS, 1)
+    return max(1, min(num_splits, key_blocks))
+
+
+def _decode(q, k, v, *, kvcache, causal, softmax_scale, num_splits=0, cfgs=None, out=None, lse=None, **variants):
+    """The KV-cache forward through flash_decode's prototype (and flash_decode_combine when split): (o, lse), or
+    None where _decode_configs leaves the call to flash_fwd. cfgs: a (flash_decode, flash_decode_combine, stages)
+    override (tests use small tiles in the simulator; stages 0: decode_stages), which serves any call."""
+    from ..proto.flash_decode import make_flash_decode, make_flash_decode_combine
+
+    xp = _xp(q)
+    dt = dtype_name(q.dtype)
+    batch, seqlen_q, nheads, head_dim = q.shape
+    nheads_k = k.shape[2]
+    group = nheads // nheads_k
+    if cfgs is None:
+        cfgs = _decode_configs(dt, head_dim, _params.variant(causal, kvcache=kvcache, **variants), seqlen_q * group,
+                               num_splits)
+        if cfgs is None:
+            return None
+    main, combine, stages = cfgs
+    seqused_k, block_table = kvcache
+    capacity = block_table.shape[1] * k.shape[1] if block_table is not None else k.shape[1]
+    m_blocks = _ceil_div(seqlen_q * group, main.block_m)
+    splits = decode_num_splits(num_splits, batch * nheads_k * m_blocks, max(1, _ceil_div(capacity, main.block_n)))
+    launcher = _Launcher()
+    o = _result(out, q.shape, np.float32 if dt == "bfloat16" else q.dtype, xp, launcher.sim)
+    acc = _acc_dtype(dt)
+    lse_buf = _result(lse, (batch, nheads, seqlen_q), acc, xp, launcher.sim)
+    scale, scale_log2 = _scales(dt, softmax_scale)
+    var = _variant_args(launcher, xp, dt, nheads, causal, **variants)
+    left, right, softcap = var[2], var[3], var[4]
+    block_table = xp.zeros((1, 1), dtype=np.int32) if block_table is None else launcher.inp(block_table)
+    rows = batch * nheads * seqlen_q
+    if splits > 1:  # [split, batch, head, row, kHeadDim] and [split, batch, head, row], flat (DecodeParams)
+        o_partial = xp.empty(splits * rows * main.head_dim, dtype=acc)
+        lse_partial = xp.empty(splits * rows, dtype=acc)
+    else:
+        o_partial = lse_partial = xp.zeros(1, dtype=acc)
+    launcher.launch(lambda c: make_flash_decode(c, stages), main, (m_blocks * splits, nheads_k, batch),
+                    launcher.inp(q), launcher.inp(k), launcher.inp(v), o, lse_buf, o_partial, lse_partial,
+                    np.int32(splits), scale, scale_log2, left, right, softcap, launcher.inp(seqused_k), block_table)
+    if splits > 1:
+        launcher.launch(make_flash_decode_combine, combine, (_ceil_div(rows, combine.warps), 1, 1),
+                        o_partial, lse_partial, o, lse_buf, np.int32(splits))
+    return _finish(out, o, q.dtype), _finish(lse, lse_buf, lse_buf.dtype)
 
 
 def varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, dq=None,

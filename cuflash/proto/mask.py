@@ -11,6 +11,9 @@ constant, so the branches fold after compilation as the C++ template's do. Score
 score_mod_init (its constructor) and score_mod, with its template bits (is_softcap, is_alibi) and
 values (tanh_in, bias, shift) leading likewise.
 
+n_block_range and needs_mask take a query block's rows; key_block_range and tile_needs_mask, which they
+call as in mask.cuh, take any rows [row0, row1) (and keys [col0, col1)): flash_decode's packed GQA tiles.
+
 mask.cuh's fragment walks (mma.cuh for_each_score / for_each_score_t) have no counterpart: the
 prototypes test `visible` per element of their own (rows, strided columns) layout.
 """
@@ -54,7 +57,12 @@ def visible(is_local, left, right, seqlen_q, seqlen_k, row, col):
 def n_block_range(is_local, left, right, seqlen_q, seqlen_k, block_m, block_n, m_block):
     # [2] Key blocks a query block visits: [lo, hi), those some row of the block sees (lo >= hi: none)
     row0 = m_block * block_m
-    row1 = min(row0 + block_m, seqlen_q)
+    return key_block_range(is_local, left, right, seqlen_q, seqlen_k, block_n, row0, min(row0 + block_m, seqlen_q))
+
+
+@cuda.jit(device=True)
+def key_block_range(is_local, left, right, seqlen_q, seqlen_k, block_n, row0, row1):
+    # The same for query rows [row0, row1) (flash_decode: the rows of a packed GQA tile)
     c0 = col_lo(is_local, left, right, seqlen_q, seqlen_k, row0)
     c1 = col_hi(is_local, left, right, seqlen_q, seqlen_k, row1 - 1)
     lo = c0 // block_n
@@ -78,15 +86,19 @@ def m_block_range(is_local, left, right, seqlen_q, seqlen_k, block_m, block_n, n
 @cuda.jit(device=True)
 def needs_mask(is_local, left, right, seqlen_q, seqlen_k, block_m, block_n, m_block, n_block):
     # [4] Does a tile hold a score some row must not see? (it crosses seqlen_k, or a window edge)
-    col0 = n_block * block_n
-    col1 = col0 + block_n
+    row0 = m_block * block_m
+    return tile_needs_mask(is_local, left, right, seqlen_q, seqlen_k, row0, min(row0 + block_m, seqlen_q),
+                           n_block * block_n, (n_block + 1) * block_n)
+
+
+@cuda.jit(device=True)
+def tile_needs_mask(is_local, left, right, seqlen_q, seqlen_k, row0, row1, col0, col1):
+    # The same for query rows [row0, row1) and keys [col0, col1)
     if col1 > seqlen_k:
         return True
     if not is_local:
         return False
     shift = seqlen_k - seqlen_q
-    row0 = m_block * block_m
-    row1 = min(row0 + block_m, seqlen_q)
     return col1 - 1 > row0 + shift + right or col0 < row1 - 1 + shift - left
 
 
