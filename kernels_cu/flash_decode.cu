@@ -263,7 +263,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_decode(const __grid_con
     }
     __syncthreads();
     // Row r of the block: max over the warps M, and L = sum_w exp2((max_w - M) * scale_log2) sum_w. Every warp
-    // scales its O by exp2((max_w - M) * scale_log2) / L; L = 0 (no warp saw a key) gives O = 0, LSE = -inf.
+    // scales its O by exp2((max_w - M) * scale_log2) / L; L = 0 (no warp saw a key) gives O = 0, LSE = -inf. A warp
+    // that saw no key adds 0 * sum_w: 0, or NaN where its scores were NaN (then L, O and LSE are NaN, as unsplit).
     auto merged = [&](int r, float& m, float& l) {
         m = neg_inf<float>();
 #pragma unroll
@@ -272,7 +273,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_decode(const __grid_con
 #pragma unroll
         for (int w = 0; w < kNWarps; ++w) {
             const float mw = sMax[w * kBlockM + r];
-            l += mw == neg_inf<float>() ? 0.f : exp2f((mw - m) * scale_log2) * sSum[w * kBlockM + r];
+            l += (mw == neg_inf<float>() ? 0.f : exp2f((mw - m) * scale_log2)) * sSum[w * kBlockM + r];
         }
     };
 #pragma unroll
@@ -280,7 +281,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_decode(const __grid_con
         float m, l;
         merged(g + 8 * h, m, l);
         const float mine = softmax.row_max[h];
-        const float f = (mine == neg_inf<float>() || l == 0.f) ? 0.f : exp2f((mine - m) * scale_log2) / l;
+        const float f = l == 0.f ? 0.f : (mine == neg_inf<float>() ? 0.f : exp2f((mine - m) * scale_log2)) / l;
         float* dst = sO + (warp * kBlockM + g + 8 * h) * kHeadDim + 2 * t;
 #pragma unroll
         for (int no = 0; no < kNTilesO; ++no)
@@ -348,17 +349,22 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_decode_combine(const __gri
     const int batch = static_cast<int>(idx / (static_cast<long long>(p.seqlen_q) * p.nheads));
 
     // [11] Combine: the largest partial LSE, the splits' weights exp(lse_s - max) and their sum
+    // A NaN partial makes the row NaN, as unsplit: the max keeps it (fmaxf would drop it), and every weight takes it.
     float m = neg_inf<float>();
-    for (int s = 0; s < dp.num_splits; ++s) m = fmaxf(m, dp.lse_partial[s * rows + idx]);
+    for (int s = 0; s < dp.num_splits; ++s) {
+        const float x = dp.lse_partial[s * rows + idx];
+        m = (x > m || x != x) ? x : m;
+    }
+    const bool empty = m == neg_inf<float>();
     float l = 0.f;
-    if (m != neg_inf<float>())
+    if (!empty)
         for (int s = 0; s < dp.num_splits; ++s) l += expf(dp.lse_partial[s * rows + idx] - m);
 
     // [12] O = sum_s weight_s O_s / sum; LSE = max + log(sum); a row no split saw gives O = 0, LSE = -inf
     float acc[kPerLane];
 #pragma unroll
     for (int e = 0; e < kPerLane; ++e) acc[e] = 0.f;
-    if (l > 0.f) {
+    if (!empty) {
         const float inv = 1.f / l;
         for (int s = 0; s < dp.num_splits; ++s) {
             const float w = expf(dp.lse_partial[s * rows + idx] - m) * inv;
@@ -373,7 +379,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_decode_combine(const __gri
         if (lane + 32 * e < p.head_dim) o[lane + 32 * e] = from_acc<T>(acc[e]);
     if (lane == 0)
         static_cast<float*>(p.lse)[batch * p.lse_batch_stride + head * p.lse_head_stride + row] =
-            l > 0.f ? m + logf(l) : neg_inf<float>();
+            empty ? neg_inf<float>() : m + logf(l);
 }
 
 }  // namespace cuflash

@@ -208,6 +208,9 @@ def test_decode_choice():
         assert config.choose_decode(dtype, 64, bits, packed_rows=rows, num_splits=splits, family=family) is None
     assert config.choose_decode("bfloat16", 64, seq, packed_rows=65, num_splits=2) is not None
     assert config.choose_decode("bfloat16", 64, seq, packed_rows=1, family="mma") is not None
+    # a device without the shared memory (sm_86 / sm_89: 99 KiB) keeps flash_fwd
+    assert config.choose_decode("bfloat16", 128, seq, packed_rows=1, smem_limit=config.SMEM_LIMIT[90]) is not None
+    assert config.choose_decode("bfloat16", 128, seq, packed_rows=1, smem_limit=config.SMEM_LIMIT[86]) is None
     # stages: 3 where the block fits in sm_80's shared memory (d <= 192), else 2; smem as flash_decode.cu lays it out
     for d in config.HEAD_DIMS:
         cfg = config.choose_decode("float16", d, seq, packed_rows=1)[0]

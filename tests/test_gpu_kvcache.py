@@ -187,6 +187,24 @@ def test_decode_splits(gpu, decode_spy, dtype, name, b, sq, h, hk, lens, new, ca
                 assert err <= 1e-5 * max(1.0, float(cp.max(cp.abs(unsplit[seen])))), f"[{ctx}] lse {err:.3e}"
 
 
+def test_decode_nan_key_stays_nan(gpu, decode_spy):
+    """A NaN in one cached key makes the rows that see it NaN, split or not: neither the warps' merge nor the combine
+    turns it into an empty row (o = 0, lse = -inf) or drops it; the other rows stay finite."""
+    cp, cf = gpu.cp, gpu.cuflash
+    c = _device(gpu, make_cache(np.random.default_rng(11), 2, 1, 8, 2, 64, 1024, 0, [1000, 1000],
+                                dtype=gpu.np_dtype("float16")))
+    k = c["k_cache"].copy()
+    k[0, 500, 1, 3] = cp.nan  # entry 0, kv head 1: query heads 4 to 7
+    cs = cp.asarray(np.array([1000, 1000], dtype=np.int32))
+    for num_splits in (1, 4):
+        o, lse = cf.flash_attn_with_kvcache(c["q"], k, c["v_cache"], cache_seqlens=cs, num_splits=num_splits,
+                                            return_lse=True, backend="cuda")
+        cp.cuda.get_current_stream().synchronize()
+        assert bool(cp.isnan(lse[0, 4:]).all()) and bool(cp.isnan(o[0, :, 4:]).all()), num_splits
+        assert gpu.count_nan(o[1]) == 0 and gpu.count_nan(o[0, :, :4]) == 0 and gpu.count_nan(lse[:, :4]) == 0
+    assert decode_spy == [1, 2]
+
+
 def test_decode_serves_only_what_it_can(gpu, decode_spy):
     """float32, ALiBi and long query chunks take flash_fwd (num_splits then changes nothing); num_splits > 1
     sends a long chunk to flash_decode, whose result agrees."""

@@ -570,12 +570,12 @@ def test_numba_decode_api_16bit(sim, dt):
 
 
 def test_decode_num_splits_rule():
-    """num_splits=0 on the Numba backend: config.decode_splits over DECODE_NOTIONAL_SMS one-block SMs, clamped to
+    """num_splits=0 on the Numba backend: config.decode_splits over DECODE_NOTIONAL_SMS SMs, clamped to
     the key blocks; an explicit count is clamped to [1, key blocks]."""
     from cuflash.backends.numba import DECODE_NOTIONAL_SMS, decode_num_splits
     from cuflash.config import decode_splits
 
-    assert decode_num_splits(0, 4, 10) == decode_splits(4, 10, DECODE_NOTIONAL_SMS, 1) > 1
+    assert decode_num_splits(0, 4, 10) == decode_splits(4, 10, DECODE_NOTIONAL_SMS) > 1
     assert decode_num_splits(0, 1000, 10) == 1  # a full wave: no split
     assert decode_num_splits(7, 4, 2) == 2 and decode_num_splits(3, 4, 10) == 3 and decode_num_splits(1, 1, 1) == 1
 

@@ -172,7 +172,8 @@ def decode_launches(q, k_cache, v_cache, o, lse, partial, *, kvcache, num_splits
     b, sq, h, d = q.shape
     group = h // k_cache.shape[2]
     variant = _params.variant(causal, kvcache=kvcache, **variants)
-    pair = choose_decode(q.dtype, d, variant, packed_rows=sq * group, num_splits=num_splits, family=forced_family())
+    pair = choose_decode(q.dtype, d, variant, packed_rows=sq * group, num_splits=num_splits, family=forced_family(),
+                         smem_limit=smem_limit())
     if pair is None:
         return None
     main, combine = pair
@@ -201,6 +202,20 @@ def split_count(cfg, tiles: int, capacity: int, num_splits: int) -> int:
     if num_splits == 0:
         num_splits = decode_splits(tiles, key_blocks, _multiprocessors())
     return max(1, min(num_splits, key_blocks))
+
+
+def smem_limit() -> int:
+    """Shared memory one block of the current device may opt in to."""
+    from cupy.cuda import runtime
+
+    return _device_smem_limit(runtime.getDevice())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_smem_limit(device: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"])
 
 
 @functools.lru_cache(maxsize=None)

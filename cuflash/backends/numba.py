@@ -22,7 +22,7 @@ tensor-core tiles (the prototype has no SIMT variant); deterministic=True sets D
 KV cache: kvcache_forward runs flash_decode.cu's prototype (and its combine when split) where
 config.choose_decode serves the call, for every dtype: fp16 / bf16 as the CUDA backend decides, float32 /
 float64 with the same decision and tiles (the CUDA backend runs flash_fwd_simt for them; the prototype computes
-in acc_t either way). num_splits=0 is decode_splits over DECODE_NOTIONAL_SMS one-block SMs (the same choice on
+in acc_t either way). num_splits=0 is decode_splits over DECODE_NOTIONAL_SMS SMs (the same choice on
 every machine), and every count is clamped to [1, the cache's key blocks] as the CUDA backend clamps it.
 Elsewhere (ALiBi, more than DECODE_MAX_ROWS packed rows without num_splits > 1, or on a GPU no decode tile within
 48 KiB) flash_fwd's prototype serves it, unsplit.
@@ -396,7 +396,7 @@ def kvcache_forward(q, k_cache, v_cache, seqlens_k, block_table=None, *, out=Non
 # Decoding: flash_decode.cu's prototype (cuflash/proto/flash_decode.py)
 
 # num_splits=0 on this backend: config.decode_splits (the CUDA backend's rule) for a notional GPU of
-# DECODE_NOTIONAL_SMS multiprocessors holding one block each, whatever runs the prototype (the simulator has no
+# DECODE_NOTIONAL_SMS multiprocessors, whatever runs the prototype (the simulator has no
 # SMs, and the prototype's occupancy is not the kernel's): a deterministic choice, the same on every machine.
 DECODE_NOTIONAL_SMS = 108
 
@@ -451,7 +451,7 @@ def decode_num_splits(num_splits: int, tiles: int, key_blocks: int) -> int:
     from ..config import decode_splits
 
     if num_splits == 0:
-        num_splits = decode_splits(tiles, key_blocks, DECODE_NOTIONAL_SMS, 1)
+        num_splits = decode_splits(tiles, key_blocks, DECODE_NOTIONAL_SMS)
     return max(1, min(num_splits, key_blocks))
 
 

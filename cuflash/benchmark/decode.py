@@ -109,7 +109,7 @@ def kernels(cell: Cell, compute_capability: int = 0, family: str | None = None) 
 
     bits = variant_bits(cell)
     pair = config.choose_decode(cell.dtype, cell.head_dim, bits, packed_rows=cell.nheads // cell.nheads_k,
-                                family=family)
+                                family=family, smem_limit=config.SMEM_LIMIT.get(compute_capability))
     return list(pair) if pair else [config.choose_forward(cell.dtype, cell.head_dim, bits,
                                                           compute_capability=compute_capability, family=family)]
 

@@ -93,15 +93,18 @@ def smem_bytes(cfg, stages: int = 0) -> int:
 @cuda.jit(device=True)
 def merged(sMax, sSum, r, nwarps, scale_log2, neg_inf, zero):
     # Row r of the block: M = max over the warps of row_max, L = sum_w exp2((max_w - M) * scale_log2) sum_w;
-    # a warp that saw no key of the row (max_w = -inf) adds 0. neg_inf, zero: -inf and 0 in acc_t.
+    # a warp that saw no key of the row (max_w = -inf) adds 0 * sum_w: 0, or NaN where its scores were NaN.
+    # neg_inf, zero: -inf and 0 in acc_t.
     m = neg_inf
     for w in range(nwarps):
         m = max(m, sMax[w, r])
     l = zero
     for w in range(nwarps):
         mw = sMax[w, r]
+        weight = zero
         if mw != -math.inf:
-            l += math.exp2((mw - m) * scale_log2) * sSum[w, r]
+            weight = math.exp2((mw - m) * scale_log2)
+        l += weight * sSum[w, r]
     return m, l
 
 
@@ -285,8 +288,10 @@ def make_flash_decode(cfg, stages: int = 0):
             m, l = merged(sMax, sSum, g + 8 * h, NWARPS, score_log2, ACC(-math.inf), ACC(0))
             mine = row_max[h]
             f = ACC(0)
-            if mine != -math.inf and l != 0:
-                f = math.exp2((mine - m) * score_log2) / l
+            if l != 0:  # a NaN L makes f NaN
+                if mine != -math.inf:
+                    f = math.exp2((mine - m) * score_log2)
+                f = f / l
             for j in range(O_CPT):
                 sO[warp, g + 8 * h, t + QUAD * j] = acc_o[h, j] * f
         cuda.syncthreads()
@@ -350,11 +355,15 @@ def make_flash_decode_combine(cfg):
         batch = idx // (seqlen_q * nheads)
 
         # [11] Combine: the largest partial LSE, the splits' weights exp(lse_s - max) and their sum
+        # A NaN partial makes the row NaN, as unsplit: the max keeps it, and every weight takes it.
         m = ACC(-math.inf)
         for s in range(num_splits):
-            m = max(m, lse_partial[s * rows + idx])
+            x = lse_partial[s * rows + idx]
+            if x > m or x != x:
+                m = x
+        empty = m == -math.inf
         l = ACC(0)
-        if m != -math.inf:
+        if not empty:
             for s in range(num_splits):
                 l += math.exp(lse_partial[s * rows + idx] - m)
 
@@ -362,7 +371,7 @@ def make_flash_decode_combine(cfg):
         acc = cuda.local.array(PER_LANE, ACC)
         for e in range(PER_LANE):
             acc[e] = 0
-        if l > 0:
+        if not empty:
             inv = ACC(1) / l
             for s in range(num_splits):
                 w = math.exp(lse_partial[s * rows + idx] - m) * inv
@@ -373,7 +382,7 @@ def make_flash_decode_combine(cfg):
             if lane + WARP_LANES * e < head_dim:
                 o[batch, row, head, lane + WARP_LANES * e] = acc[e]
         if lane == 0:
-            if l > 0:
+            if not empty:
                 lse[batch, head, row] = m + math.log(l)
             else:
                 lse[batch, head, row] = -math.inf
