@@ -192,6 +192,12 @@ def check_batch(batch: int, limit: int = 65535) -> None:
         raise ValueError(f"q: batch must be <= {limit} for the CUDA kernels, got {batch}")
 
 
+def check_grid_heads(name: str, nheads: int, limit: int = 65535) -> None:
+    """A grid's y dimension carries the heads (flash_decode: the kv heads)."""
+    if nheads > limit:
+        raise ValueError(f"{name}: nheads must be <= {limit} for the CUDA kernels, got {nheads}")
+
+
 # --- attention variants (window, softcap, ALiBi, dropout) and variable-length batches -------------------
 
 

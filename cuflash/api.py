@@ -519,9 +519,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     num_splits: how many thread blocks share each entry's keys on the GPU (split-KV: each computes a partial
     result over its share, and a second kernel merges them exactly); 0 (the default) chooses per call, so that
     small batches still fill the GPU. It changes rounding only, never the result beyond it. The CUDA backend
-    honours it where its decode kernel serves the call (fp16 / bf16 without ALiBi, and seqlen_q * nheads /
-    nheads_k <= 64 rows or num_splits > 1), the Numba backend where the same rule serves the call (for any
-    dtype); the NumPy backend computes unsplit.
+    honours it where its decode kernel serves the call (fp16 / bf16 without ALiBi, seqlen_q * nheads / nheads_k
+    <= 64 rows or num_splits > 1, and the kernel's block within the GPU's shared memory) and computes unsplit
+    elsewhere; the Numba backend where the same rule serves the call (for any dtype); the NumPy backend
+    unsplit.
 
     cache_seqlens and block_table held on the host are always checked (capacity, page indices in
     [0, num_pages)); device arrays only with check_inputs=True (it costs a sync). Unchecked device

@@ -177,9 +177,10 @@ _TILES: dict[str, dict[int, tuple[int, int, int]]] = {
                             160: (32, 16, 4), 192: (32, 16, 4), 224: (16, 16, 4), 256: (16, 16, 4)},
     "flash_bwd_dq_simt": {32: (64, 32, 4), 64: (64, 32, 4), 96: (32, 32, 4), 128: (32, 32, 4),
                           160: (32, 16, 4), 192: (32, 16, 4), 224: (16, 16, 4), 256: (16, 16, 4)},
-    # Decoding (flash_decode.cu): 16 packed query rows; each warp streams 16 keys of every key block. Measured on
-    # the H200 (bench/RESULTS.md, 2026-12-01 (h)): 8 warps beat 4 at d = 64 (4.04 against 3.87 TB/s, 3 stages),
-    # not at d = 128 (2 stages there; 4.07 against 4.07-4.14)
+    # Decoding (flash_decode.cu): 16 packed query rows; each warp streams 16 keys of every key block (one page
+    # lookup per warp slice). Measured on the H200 (bench/RESULTS.md, 2026-12-01 (h)): at d = 64 128-key blocks
+    # beat 64-key ones (4.04 against 3.87 TB/s; 4 warps of 32 keys did as well as 8 of 16), at d = 128 they did
+    # not (2 stages there: 4.07-4.08 against 4.07-4.14); 32 keys a warp lost on 64-key pages (3.75 against 4.04)
     "flash_decode": {d: (16, 128, 8) if d <= 64 else (16, 64, 4) for d in HEAD_DIMS},
 }
 

@@ -370,7 +370,8 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_decode_combine(const __gri
             const float w = expf(dp.lse_partial[s * rows + idx] - m) * inv;
             const float* src = dp.o_partial + (s * rows + idx) * kHeadDim + lane;
 #pragma unroll
-            for (int e = 0; e < kPerLane; ++e) acc[e] += w * src[32 * e];
+            for (int e = 0; e < kPerLane; ++e)
+                if (lane + 32 * e < p.head_dim) acc[e] += w * src[32 * e];  // flash_decode writes these columns only
         }
     }
     T* o = static_cast<T*>(p.o) + batch * p.o_batch_stride + row * p.o_row_stride + head * p.o_head_stride;

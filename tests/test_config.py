@@ -218,6 +218,25 @@ def test_decode_choice():
         assert cfg.smem_bytes == (16 + 2 * config.decode_stages(cfg) * cfg.block_n) * (d + 8) * 2 <= config.SMEM_LIMIT[80]
 
 
+def test_decode_stages_match_the_kernel():
+    """config.decode_stages (and so smem_bytes) is flash_decode.cu's decode_stages, read back from a probe kernel
+    compiled with the kernel's source: a kernel launched with less shared memory than its own layout traps."""
+    pytest.importorskip("cuda.bindings")
+    from test_params import _ptx
+
+    tiles = [(d, bn) for d in config.HEAD_DIMS for bn in (64, 128)]
+    body = "\n".join(f"    out[{i}] = cuflash::decode_stages({d}, {bn});" for i, (d, bn) in enumerate(tiles))
+    src = _compile.source_text("flash_decode.cu") + f"\n__global__ void probe(volatile int* out) {{\n{body}\n}}\n"
+    ptx = _ptx(src, *(f"-I{d}" for d in _compile._cuda_include_dirs()))
+    regs = dict(re.findall(r"mov\.u32\s+(%r\d+),\s*(\d+);", ptx))
+    got = {int(off or 0) // 4: int(regs.get(v, v)) for off, v in
+           re.findall(r"st\.volatile\.global\.u32\s+\[%rd\d+(?:\+(\d+))?\],\s*(%r\d+|\d+);", ptx)}
+    assert len(got) == len(tiles), ptx[-2000:]
+    for i, (d, bn) in enumerate(tiles):
+        cfg = config.KernelConfig("flash_decode", "float16", d, 16, bn, 4, config.SEQUSED)
+        assert got[i] == config.decode_stages(cfg) in (2, 3), (d, bn)
+
+
 @pytest.mark.parametrize("tiles,key_blocks,sms,want", [
     (8, 2048, 132, 16),  # B=1, 8 kv heads, 131k keys: 128 blocks, within 95 % of 264 (two full rounds)
     (64, 512, 132, 2),  # B=8, 8 kv heads: 128 blocks

@@ -120,6 +120,7 @@ DECODE_CASES = [
     ("empty-entry", 2, 1, 8, 2, [0, 1024], 0, False, 128, {}),  # entry 0 has no key at all
     ("d256", 1, 1, 8, 1, [1020], 1, False, 256, {}),
     ("d32-window", 2, 4, 4, 1, [500, 60], 4, False, 32, dict(window=(30, 10))),
+    ("gqa3-causal", 2, 6, 12, 4, [400, 9], 6, True, 64, {}),  # 18 packed rows: a query row's heads in two tiles
 ]
 
 
@@ -188,26 +189,30 @@ def test_decode_splits(gpu, decode_spy, dtype, name, b, sq, h, hk, lens, new, ca
 
 
 def test_decode_nan_key_stays_nan(gpu, decode_spy):
-    """A NaN in one cached key makes the rows that see it NaN, split or not: neither the warps' merge nor the combine
-    turns it into an empty row (o = 0, lse = -inf) or drops it; the other rows stay finite."""
+    """A NaN in a cached key makes the rows that see it NaN, split or not, as unsplit attention does; neither the
+    warps' merge nor the combine turns it into an empty row (o = 0, lse = -inf). Entry 0: one NaN key among 1000
+    (a warp with finite scores beside it). Entry 2: its only key is NaN, so the warp holding it has no finite
+    score (row max -inf, sum NaN) and, split, every other split is empty (lse -inf beside one NaN). The other
+    rows stay finite."""
     cp, cf = gpu.cp, gpu.cuflash
-    c = _device(gpu, make_cache(np.random.default_rng(11), 2, 1, 8, 2, 64, 1024, 0, [1000, 1000],
+    c = _device(gpu, make_cache(np.random.default_rng(11), 3, 1, 8, 2, 64, 1024, 0, [1000, 1000, 1],
                                 dtype=gpu.np_dtype("float16")))
     k = c["k_cache"].copy()
-    k[0, 500, 1, 3] = cp.nan  # entry 0, kv head 1: query heads 4 to 7
-    cs = cp.asarray(np.array([1000, 1000], dtype=np.int32))
+    k[0, 500, 1, 3] = k[2, 0, 1, 3] = cp.nan  # kv head 1: query heads 4 to 7
+    cs = cp.asarray(np.array([1000, 1000, 1], dtype=np.int32))
     for num_splits in (1, 4):
         o, lse = cf.flash_attn_with_kvcache(c["q"], k, c["v_cache"], cache_seqlens=cs, num_splits=num_splits,
                                             return_lse=True, backend="cuda")
         cp.cuda.get_current_stream().synchronize()
-        assert bool(cp.isnan(lse[0, 4:]).all()) and bool(cp.isnan(o[0, :, 4:]).all()), num_splits
-        assert gpu.count_nan(o[1]) == 0 and gpu.count_nan(o[0, :, :4]) == 0 and gpu.count_nan(lse[:, :4]) == 0
+        for b in (0, 2):
+            assert bool(cp.isnan(lse[b, 4:]).all()) and bool(cp.isnan(o[b, :, 4:]).all()), (num_splits, b)
+        assert gpu.count_nan(o[1]) == 0 and gpu.count_nan(o[:, :, :4]) == 0 and gpu.count_nan(lse[:, :4]) == 0
     assert decode_spy == [1, 2]
 
 
 def test_decode_serves_only_what_it_can(gpu, decode_spy):
-    """float32, ALiBi and long query chunks take flash_fwd (num_splits then changes nothing); num_splits > 1
-    sends a long chunk to flash_decode, whose result agrees."""
+    """float32, ALiBi and long query chunks take flash_fwd, where num_splits changes nothing (bitwise); num_splits
+    > 1 sends a long chunk to flash_decode, whose result meets the rule too."""
     cp, cf = gpu.cp, gpu.cuflash
     c = _device(gpu, make_cache(np.random.default_rng(9), 2, 40, 8, 2, 64, 512, 0, [300, 512],
                                 dtype=gpu.np_dtype("bfloat16")))
@@ -217,13 +222,18 @@ def test_decode_serves_only_what_it_can(gpu, decode_spy):
                                         return_lse=True, backend="cuda")  # 160 packed rows: flash_fwd
     o4, lse4 = cf.flash_attn_with_kvcache(c["q"], c["k_cache"], c["v_cache"], cache_seqlens=cs, causal=True,
                                           num_splits=4, return_lse=True, backend="cuda")
-    slopes_dev = cp.asarray(slopes((8,)))
-    cf.flash_attn_with_kvcache(c["q"][:, :1], c["k_cache"], c["v_cache"], cache_seqlens=cs, num_splits=4,
-                               alibi_slopes=slopes_dev, backend="cuda")
-    cp.cuda.get_current_stream().synchronize()
-    assert decode_spy == [None, 2, None]
+    assert decode_spy == [None, 2]
     _check(gpu, "160 rows, flash_fwd", "bfloat16", o, lse, r64, sp)
     _check(gpu, "160 rows, num_splits=4", "bfloat16", o4, lse4, r64, sp)
+    slopes_dev = cp.asarray(slopes((8,)))
+    c32 = {n: c[n].astype(cp.float32) for n in ("q", "k_cache", "v_cache")}
+    for name, args, kw in (("alibi", (c["q"][:, :1], c["k_cache"], c["v_cache"]), dict(alibi_slopes=slopes_dev)),
+                           ("float32", (c32["q"][:, :1], c32["k_cache"], c32["v_cache"]), {})):
+        del decode_spy[:]
+        outs = [cf.flash_attn_with_kvcache(*args, cache_seqlens=cs, num_splits=n, backend="cuda", **kw) for n in (4, 0)]
+        cp.cuda.get_current_stream().synchronize()
+        assert decode_spy == [None, None], name
+        assert gpu.same_bits(outs[0], outs[1]) == 0, f"{name}: num_splits changed a flash_fwd result"
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

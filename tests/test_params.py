@@ -18,12 +18,14 @@ def _fields(struct: str, dtype, prefix: str = "") -> list[tuple[str, int]]:
     return out
 
 
-def _ptx(src: str) -> str:
+def _ptx(src: str, *options: str) -> str:
+    """PTX of src (compute_80), options added to NVRTC's."""
     from cuda.bindings import nvrtc
 
     prog = _compile._check(nvrtc.nvrtcCreateProgram(src.encode(), b"probe.cu", 0, [], []))
     try:
-        err, = nvrtc.nvrtcCompileProgram(prog, 2, [b"-arch=compute_80", b"-std=c++17"])
+        opts = [b"-arch=compute_80", b"-std=c++17", *(o.encode() for o in options)]
+        err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         size = _compile._check(nvrtc.nvrtcGetProgramLogSize(prog))
         log = b" " * size
         _compile._check(nvrtc.nvrtcGetProgramLog(prog, log))

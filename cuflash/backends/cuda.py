@@ -14,7 +14,7 @@ import threading
 import numpy as np
 
 from .. import _compile, _params, _tma
-from .._checks import check_batch
+from .._checks import check_batch, check_grid_heads
 from .._interop import gpu_status
 from ..config import choose_backward, choose_decode, choose_forward, ceil_div, decode_splits, forced_family
 
@@ -179,6 +179,7 @@ def decode_launches(q, k_cache, v_cache, o, lse, partial, *, kvcache, num_splits
     main, combine = pair
     p = _params.fwd_params(q, k_cache, v_cache, o, lse, softmax_scale, causal, kvcache=kvcache, **variants)
     check_batch(b)
+    check_grid_heads("k_cache", k_cache.shape[2])
     hk, m_blocks = k_cache.shape[2], ceil_div(sq * group, main.block_m)
     num_splits = split_count(main, b * hk * m_blocks, int(p["seqlen_k"]), num_splits)
     dp = np.zeros((), dtype=_params.DECODE_PARAMS)

@@ -377,7 +377,8 @@ def make_flash_decode_combine(cfg):
                 w = math.exp(lse_partial[s * rows + idx] - m) * inv
                 base = (s * rows + idx) * HEAD_DIM + lane
                 for e in range(PER_LANE):
-                    acc[e] += w * o_partial[base + WARP_LANES * e]
+                    if lane + WARP_LANES * e < head_dim:  # flash_decode writes these columns only
+                        acc[e] += w * o_partial[base + WARP_LANES * e]
         for e in range(PER_LANE):
             if lane + WARP_LANES * e < head_dim:
                 o[batch, row, head, lane + WARP_LANES * e] = acc[e]
