@@ -253,11 +253,21 @@ def _current_stream() -> int:
     return cupy.cuda.get_current_stream().ptr
 
 
-def forward(q, k, v, *, causal, softmax_scale, out, lse, varlen=None, **variants):
+def forward(q, k, v, *, causal, softmax_scale, out, lse, varlen=None, num_splits=0, **variants):
+    """The forward's launches: flash_decode's for a KV cache (variants' kvcache) where it serves the call, with
+    num_splits splits, else forward_launches'."""
+    import cupy
+
     q, k, v = _ready(q), _ready(k), _ready(v)
     o = _result_buffer(out)
-    forward_launches(q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, varlen=varlen,
-                     **variants).run(_current_stream())
+    launches = None
+    if variants.get("kvcache") is not None:
+        launches = decode_launches(q, k, v, o, lse, lambda n: cupy.empty(n, dtype=cupy.uint8), num_splits=num_splits,
+                                   causal=causal, softmax_scale=softmax_scale, **variants)
+    if launches is None:
+        launches = forward_launches(q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, varlen=varlen,
+                                    **variants)
+    launches.run(_current_stream())
     if o is not out:
         out[...] = o
     return out, lse
@@ -306,17 +316,7 @@ def kvcache_forward(q, k_cache, v_cache, seqlens_k, block_table=None, *, out, ls
 
     bt = None if block_table is None else cupy.ascontiguousarray(block_table)
     kvcache = (cupy.ascontiguousarray(seqlens_k), bt)
-    q, k_cache, v_cache = _ready(q), _ready(k_cache), _ready(v_cache)
-    o = _result_buffer(out)
-    launches = decode_launches(q, k_cache, v_cache, o, lse, lambda n: cupy.empty(n, dtype=cupy.uint8),
-                               kvcache=kvcache, num_splits=num_splits, **kwargs)
-    if launches is None:
-        forward(q, k_cache, v_cache, out=o, lse=lse, kvcache=kvcache, **kwargs)
-    else:
-        launches.run(_current_stream())
-    if o is not out:
-        out[...] = o
-    return out, lse
+    return forward(q, k_cache, v_cache, out=out, lse=lse, kvcache=kvcache, num_splits=num_splits, **kwargs)
 
 
 def varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, dq, dk, dv,
