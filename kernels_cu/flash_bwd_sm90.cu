@@ -11,21 +11,24 @@
 //     S^T = K Q^T and dP^T = V dO^T by wgmma from shared memory, P^T = exp2(S^T * scale_log2 - LSE * log2(e)),
 //     dV += P^T dO (P^T from registers), dS^T = P^T (dP^T - D), dK += dS^T Q (dS^T from registers);
 //     dS^T goes to shared memory as dS (queries x keys), and each consumer computes its share of
-//     dQ = dS K (a 64 x 64 tile) and adds it into the fp32 dQ accumulator (red.global.add). At d = 128 that
-//     share is its own tile over all the block's keys; at d = 64 (kDqOwnKeys) there is one tile, each consumer
-//     computes it over its own keys, and the two partials are summed through shared memory (sDqX) before
-//     the adds, each consumer adding half of the rows.
+//     dQ = dS K (a 64 x 64 tile) and writes it into the block's fp32 dQ tile in shared memory (sDqAcc). At
+//     d = 128 that share is its own tile over all the block's keys; at d = 64 (kDqOwnKeys) there is one tile,
+//     each consumer computes it over its own keys, and the two partials are summed through shared memory
+//     (sDqX), each consumer writing half of the rows.
+//   the dQ warp (producer warp 2): per pair, once the consumers have written sDqAcc, adds its rows into the fp32
+//     dQ accumulator in global memory by bulk reduces (the copy engine: no atomics from the consumers), and
+//     hands the buffer back as soon as the engine has read it.
 //   kDeterministic: the adds into each dQ tile come in a fixed order of key blocks (first to last, the launch
 //     order; query blocks visited last to first), each tile's turn kept by a semaphore (backward.cuh) that
-//     producer warp 2, the turn warp, waits for and hands on, so that the consumers only meet it at named
-//     barriers.
+//     producer warp 3, the turn warp, waits for and hands on once the dQ warp's adds have completed.
 // Accumulators are in the mma.sync C layout per warp (wgmma.cuh), so masks, score modifiers and dropout are
 // flash_bwd's (for_each_score_t, for_each_keep_t).
 //
 // Shared memory (sm90.cuh: 128-byte swizzle, [head_dim / 64 slabs][rows][64], 1024-byte aligned), Sm90BwdSmem:
 //   sK, sV [kBlockN rows]; kStages x sQ, kStages x sdO [kBlockM rows]; two sdS [kBlockN / 64 slabs][kBlockM]
 //   [64 keys] (one written while the other may still be read); kStages x LSE offsets and D [kBlockM floats];
-//   d = 64: two sDqX (the same reason) [from consumer][warp % 2][32 floats][32 lanes]; exp2's scale (a float);
+//   sDqAcc [kBlockM rows][dq_accum_row_stride <= kHeadDim floats]; d = 64: two sDqX (as sdS) [from consumer]
+//   [warp % 2][32 floats][32 lanes]; exp2's scale (a float);
 //   mbarriers kv_full, q_full[kStages], do_full[kStages], q_empty[kStages], do_empty[kStages]. config.smem_bytes
 //   mirrors it.
 //
@@ -49,9 +52,12 @@ struct Sm90BwdSmem {  // byte offsets from the 1024-aligned base
     static constexpr unsigned kDS = kBlockM * kBlockN * 2;   // one sdS
     static constexpr unsigned kK = 0, kV = kKV, kQs = 2 * kKV, kdOs = kQs + kStages * kQ, kdSs = kdOs + kStages * kQ;
     static constexpr unsigned kLse = kdSs + 2 * kDS, kD = kLse + kStages * kBlockM * 4;
+    // sDqAcc holds the tile as the accumulator does (rows of dq_accum_row_stride floats): one bulk reduce
+    // adds it (per-row reduces, or padded rows against bank conflicts, cost more in the copy engine)
+    static constexpr unsigned kDqAcc = kD + kStages * kBlockM * 4;
     // d = 64 (kDqOwnKeys): 2 buffers x 2 consumers x 2 warps x 32 lanes x 32 floats of handed-on dQ partials
     static constexpr bool kDqOwnKeys = kBlockM * kHeadDim == 64 * 64;
-    static constexpr unsigned kDqX = kD + kStages * kBlockM * 4;
+    static constexpr unsigned kDqX = kDqAcc + kBlockM * kHeadDim * 4;
     static constexpr unsigned kScale = kDqX + (kDqOwnKeys ? 2 * 2 * 2 * 32 * 32 * 4 : 0);
     static constexpr unsigned kBarriers = kScale + 8;
     static constexpr unsigned kBytes = 1024 + kBarriers + 8 * (1 + 4 * kStages);
@@ -84,11 +90,12 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
     constexpr int kProducerRegs = 24, kConsumerRegs = 240;
     static_assert(kProducerRegs + kConsumers * kConsumerRegs <= (1 + kConsumers) * launch_regs(kNWarps * 32),
                   "setmaxnreg moves registers between warpgroups: no more than the launch gave them");
-    // Named barriers: kDsReady both consumers; kStore one per consumer; kDqReady (d = 64 or kDeterministic)
-    // the consumers, and the turn warp's arrival: the adds may start; kDqDone (kDeterministic) the consumers
-    // have issued their adds, for the turn warp
-    constexpr int kDsReady = 1, kStore = 2, kDqReady = 4, kDqDone = 5;
-    constexpr int kDqThreads = 128 * kConsumers + (kIsDeterministic ? 32 : 0);
+    // Named barriers: kDsReady both consumers; kStore one per consumer; kDqX (d = 64) both consumers: sDqX's
+    // partials are in; with the dQ warp's arrival, kDqFree: it has read the last pair's sDqAcc; with the
+    // consumers' arrivals, kDqFull: this pair's sDqAcc is written; kDeterministic, the dQ and turn warps:
+    // kDqTurn the tile's turn has come, kDqAdded the dQ warp's adds have completed
+    constexpr int kDsReady = 1, kStore = 2, kDqX = 4, kDqFree = 5, kDqFull = 6, kDqTurn = 7, kDqAdded = 8;
+    constexpr int kDqThreads = 128 * kConsumers + 32;
 
     unsigned dyn_smem;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
@@ -101,6 +108,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
     auto sdO = [&](int s) { return base + Smem::kdOs + s * Smem::kQ; };
     float* const sLse = reinterpret_cast<float*>(base_ptr + Smem::kLse);  // [kStages][kBlockM]
     float* const sD = reinterpret_cast<float*>(base_ptr + Smem::kD);
+    const unsigned sDqAcc = base + Smem::kDqAcc;
     float* const sDqX = reinterpret_cast<float*>(base_ptr + Smem::kDqX);
     // exp2's scale, converted from the params' double once: in the loop ptxas rematerialized the conversion
     // (an fp64 compare and convert per pair, 5 % of the consumers' stall samples at d = 128)
@@ -191,11 +199,39 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
                 }
                 mbarrier_arrive(q_full(s));
             }
-        } else if (kIsDeterministic && warp == 2) {
+        } else if (warp == 2) {
+            // The dQ warp: per pair, once sDqAcc holds the tile (kDqFull), add its rows below seqlen_q into the
+            // accumulator (contiguous there: one bulk reduce), and give the buffer back (kDqFree) once the engine
+            // has read it. kDeterministic: the reduce waits for the tile's turn (kDqTurn, from the turn warp),
+            // and the turn warp hands it on once the adds have completed (kDqAdded)
+            if (n_it > 0) named_barrier_arrive(kDqFree, kDqThreads);
+#pragma unroll 1
+            for (int it = 0; it < n_it; ++it) {
+                int head, m_block;
+                pair(it, head, m_block);
+                const int row_begin = m_block * kBlockM;
+                named_barrier_sync(kDqFull, kDqThreads);
+                if constexpr (kIsDeterministic) named_barrier_sync(kDqTurn, 64);
+                if (lane == 0) {
+                    const unsigned rows = min(kBlockM, seqlen_q - row_begin);
+                    bulk_reduce_add_f32(dq_accum_rows(p, seq, batch, head) + row_begin * p.dq_accum_row_stride, sDqAcc,
+                                        rows * p.dq_accum_row_stride * 4);
+                }
+                bulk_commit();
+                bulk_wait_read<0>();
+                if (it + 1 < n_it) named_barrier_arrive(kDqFree, kDqThreads);
+                if constexpr (kIsDeterministic) {
+                    bulk_wait<0>();   // the adds have landed
+                    __threadfence();  // and are visible before the turn is
+                    named_barrier_arrive(kDqAdded, 64);
+                }
+            }
+            bulk_wait<0>();
+        } else if (kIsDeterministic && warp == 3) {
             // The turn warp: per pair, wait for the dQ tile's turn (the key blocks before this one have added),
-            // let the consumers add, and once they have issued their adds hand the tile on. The release is
-            // cumulative: the consumers' adds, ordered before it by the barrier, are visible to whoever
-            // acquires the new count (as CUTLASS's semaphore: no fence in the adding threads)
+            // let the dQ warp add, and once its adds have completed hand the tile on. The release is cumulative:
+            // the adds, ordered before it by the barrier and the dQ warp's fence, are visible to whoever acquires
+            // the new count
 #pragma unroll 1
             for (int it = 0; it < n_it; ++it) {
                 int head, m_block;
@@ -206,8 +242,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
                     while (load_acquire(semaphore) != turn) {}
                 }
                 __syncwarp();
-                named_barrier_arrive(kDqReady, kDqThreads);
-                named_barrier_sync(kDqDone, kDqThreads);
+                named_barrier_arrive(kDqTurn, 64);
+                named_barrier_sync(kDqAdded, 64);
                 if (lane == 0) store_release(semaphore, turn + 1);
             }
         }
@@ -335,11 +371,11 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
             }
 
         // [8] dK += dS^T Q (wgmma, dS^T from registers)
-        // Its wgmma is issued in [9], behind dQ's, so that it runs under dQ's adds
+        // Its wgmma is issued in [9], behind dQ's, so that it runs under dQ's stores
 #pragma unroll
         for (int kq = 0; kq < kBlockM / 16; ++kq) acc_to_a<T>(a_frag[kq], acc_dp[2 * kq], acc_dp[2 * kq + 1]);
 
-        // [9] dS into shared memory; dQ_accum += dS K (wgmma), fp32 atomic adds, in key-block order when deterministic
+        // [9] dS into shared memory; dQ = dS K (wgmma) into sDqAcc, which the dQ warp adds into dQ_accum
         // dS (queries x keys) into sdS, this consumer's 64 keys = slab `consumer`, by stmatrix .trans:
         // a_frag[kq][j] is the 8 x 8 tile of keys 16 warp + 8 (j & 1) + 0..7 (one 16-byte chunk of an sdS row)
         // by queries 16 kq + 8 (j >> 1) + 0..7; lane l gives the address of tile l / 8's query row l % 8
@@ -359,7 +395,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
             named_barrier_sync(kDsReady, 128 * kConsumers);  // every consumer's keys are in
         }
 
-        // this consumer's 64 x 64 tile of dS K (K N-major), dK's products ([8]), then the adds
+        // this consumer's 64 x 64 tile of dS K (K N-major), dK's products ([8]), then the tile into sDqAcc
         float acc_dq[8][4];
         wgmma_fence();
 #pragma unroll
@@ -377,42 +413,45 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
         fence_operands(acc_dq);
         fence_operands(acc_dv);
         if (lane == 0) mbarrier_arrive(do_empty(s));
-        // The adds. d = 64: consumer c adds the rows of its warps 2c, 2c+1, their partials summed with the
-        // other consumer's (handed on through sDqX: a warp's 32 floats per lane, lane-contiguous)
-        bool adds = true;
-        float* x = nullptr;
+        // d = 64: consumer c writes the rows of its warps 2c, 2c+1, their partials summed with the other
+        // consumer's (handed on through sDqX: a warp's 32 floats per lane, lane-contiguous)
+        bool writes = true;
         if constexpr (kDqOwnKeys) {
-            adds = warp / 2 == consumer;
-            const int from = adds ? 1 - consumer : consumer;
-            x = sDqX + (((it & 1) * 2 + from) * 2 + warp % 2) * 32 * 32 + lane;
-            if (!adds) {
+            writes = warp / 2 == consumer;
+            const int from = writes ? 1 - consumer : consumer;
+            float* const x = sDqX + (((it & 1) * 2 + from) * 2 + warp % 2) * 32 * 32 + lane;
+            if (!writes) {
 #pragma unroll
                 for (int nd = 0; nd < 8; ++nd)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) x[32 * (4 * nd + e)] = acc_dq[nd][e];
             }
-        }
-        if constexpr (kDqOwnKeys || kIsDeterministic) named_barrier_sync(kDqReady, kDqThreads);
-        if (adds) {
-            if constexpr (kDqOwnKeys) {
+            named_barrier_sync(kDqX, 128 * kConsumers);
+            if (writes) {
 #pragma unroll
                 for (int nd = 0; nd < 8; ++nd)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) acc_dq[nd][e] += x[32 * (4 * nd + e)];
             }
-            // acc_dq[nd][2h + e]: query row dq_row0 + 16 warp + g + 8h, dim dq_col0 + 8 nd + 2t + e
-            float* dq_rows = dq_accum_rows(p, seq, batch, head);
+        }
+        named_barrier_sync(kDqFree, kDqThreads);  // the dQ warp has read the last pair's sDqAcc
+        if (writes) {
+            // acc_dq[nd][2h + e]: query row dq_row0 + 16 warp + g + 8h, dim dq_col0 + 8 nd + 2t + e; the dims the
+            // accumulator has (a whole 8-column group or none: its width is a multiple of 32)
+            const int width = p.dq_accum_row_stride;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const int row = row_begin + dq_row0 + 16 * warp + g + 8 * h;
-                if (row >= seqlen_q) continue;
-                float* dst = dq_rows + row * p.dq_accum_row_stride + dq_col0 + 2 * t;
+                const unsigned row = sDqAcc + ((dq_row0 + 16 * warp + g + 8 * h) * width + dq_col0 + 2 * t) * 4;
 #pragma unroll
                 for (int nd = 0; nd < 8; ++nd)
-                    if (dq_col0 + 8 * nd < p.fwd.head_dim) red_add2(dst + 8 * nd, acc_dq[nd][2 * h], acc_dq[nd][2 * h + 1]);
+                    if (dq_col0 + 8 * nd < width)
+                        asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(row + 32 * nd), "f"(acc_dq[nd][2 * h]),
+                                     "f"(acc_dq[nd][2 * h + 1])
+                                     : "memory");
             }
         }
-        if constexpr (kIsDeterministic) named_barrier_arrive(kDqDone, kDqThreads);
+        fence_proxy_async();  // the stores, then the copy engine that reads them
+        named_barrier_arrive(kDqFull, kDqThreads);
         wgmma_wait<0>();  // dK has completed: the stage's Q goes back to the producer
         fence_operands(acc_dk);
         mbarrier_arrive(q_empty(s));

@@ -45,6 +45,25 @@ __device__ __forceinline__ void tma_load_4d(unsigned dst, const void* tensor_map
         : "memory");
 }
 
+// dst[i] += src[i] for `bytes` bytes of floats (a multiple of 16; both 16-byte aligned), from shared to global
+// memory by the copy engine: the issuing thread goes on at once. Its reduces are grouped per thread: commit
+// closes a group, bulk_wait_read<N> waits until at most N groups still read shared memory (the source may be
+// written again), bulk_wait<N> until at most N are unfinished (their adds are done in global memory).
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, unsigned src, unsigned bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst), "r"(src),
+                 "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // Four 8 x 8 tiles of 16-bit elements from registers (each in the mma.sync fragment layout: lane l holds row
 // l / 4, columns 2 (l % 4) and + 1 of tile i in r[i]) into shared memory transposed: lanes 8 i .. 8 i + 7 give
 // the addresses of tile i's stored rows (its columns), 16 contiguous bytes each.

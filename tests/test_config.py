@@ -218,23 +218,40 @@ def test_decode_choice():
         assert cfg.smem_bytes == (16 + 2 * config.decode_stages(cfg) * cfg.block_n) * (d + 8) * 2 <= config.SMEM_LIMIT[80]
 
 
-def test_decode_stages_match_the_kernel():
-    """config.decode_stages (and so smem_bytes) is flash_decode.cu's decode_stages, read back from a probe kernel
-    compiled with the kernel's source: a kernel launched with less shared memory than its own layout traps."""
+def _kernel_constants(filename: str, exprs: list[str]) -> list[int]:
+    """The values of constant expressions in kernels_cu/<filename>'s scope, read back from a probe kernel
+    compiled with the file's source (NVRTC, to PTX)."""
     pytest.importorskip("cuda.bindings")
     from test_params import _ptx
 
-    tiles = [(d, bn) for d in config.HEAD_DIMS for bn in (64, 128)]
-    body = "\n".join(f"    out[{i}] = cuflash::decode_stages({d}, {bn});" for i, (d, bn) in enumerate(tiles))
-    src = _compile.source_text("flash_decode.cu") + f"\n__global__ void probe(volatile int* out) {{\n{body}\n}}\n"
+    body = "\n".join(f"    out[{i}] = {e};" for i, e in enumerate(exprs))
+    src = _compile.source_text(filename) + f"\n__global__ void probe(volatile int* out) {{\n{body}\n}}\n"
     ptx = _ptx(src, *(f"-I{d}" for d in _compile._cuda_include_dirs()))
     regs = dict(re.findall(r"mov\.u32\s+(%r\d+),\s*(\d+);", ptx))
     got = {int(off or 0) // 4: int(regs.get(v, v)) for off, v in
            re.findall(r"st\.volatile\.global\.u32\s+\[%rd\d+(?:\+(\d+))?\],\s*(%r\d+|\d+);", ptx)}
-    assert len(got) == len(tiles), ptx[-2000:]
-    for i, (d, bn) in enumerate(tiles):
+    assert len(got) == len(exprs), ptx[-2000:]
+    return [got[i] for i in range(len(exprs))]
+
+
+def test_decode_stages_match_the_kernel():
+    """config.decode_stages (and so smem_bytes) is flash_decode.cu's decode_stages: a kernel launched with less
+    shared memory than its own layout traps."""
+    tiles = [(d, bn) for d in config.HEAD_DIMS for bn in (64, 128)]
+    got = _kernel_constants("flash_decode.cu", [f"cuflash::decode_stages({d}, {bn})" for d, bn in tiles])
+    for (d, bn), stages in zip(tiles, got):
         cfg = config.KernelConfig("flash_decode", "float16", d, 16, bn, 4, config.SEQUSED)
-        assert got[i] == config.decode_stages(cfg) in (2, 3), (d, bn)
+        assert stages == config.decode_stages(cfg) in (2, 3), (d, bn)
+
+
+@pytest.mark.parametrize("kernel,layout", [("flash_fwd_sm90", "Sm90FwdSmem<{d}, {bm}, {bn}>"),
+                                           ("flash_bwd_sm90", "Sm90BwdSmem<{d}, {bm}, {bn}, 2>")])
+def test_sm90_smem_matches_the_kernel(kernel, layout):
+    """config.smem_bytes of each Hopper tile is the kernel's own layout's kBytes (the kernel traps with less)."""
+    cfgs = {(c.head_dim, c.block_m, c.block_n): c for c in config.all_configs() if c.kernel == kernel}
+    exprs = [f"cuflash::{layout.format(d=d, bm=bm, bn=bn)}::kBytes" for d, bm, bn in cfgs]
+    for cfg, kbytes in zip(cfgs.values(), _kernel_constants(f"{kernel}.cu", exprs)):
+        assert cfg.smem_bytes == kbytes <= config.SMEM_LIMIT[90], cfg
 
 
 @pytest.mark.parametrize("tiles,key_blocks,sms,want", [

@@ -93,10 +93,10 @@ SM90_CASES = {
 # seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, dtype, (cfg head_dim, block_m, block_n, warps),
 # variants). The smallest tiles the kernel's roles allow: two consumers of 64 keys (block_n = 128, warps = 12),
 # block_m = 64; 384 threads, a few seconds per (query head, query block) pair. dQ's 64 x 64 tiles: at cfg head
-# dim 64 one in all (each consumer's partial over its own keys, summed through sDqX, each consumer adding half
+# dim 64 one in all (each consumer's partial over its own keys, summed through sDqX, each consumer writing half
 # the rows), at 128 a tile each, over all keys. O and LSE from the NumPy backend; plain cases against
 # cuflash.reference, those with variants against the NumPy backend. "deterministic": True (not a backend
-# variant: _sm90_backward takes it) sets DETERMINISTIC, the turn warp's order of adds.
+# variant: _sm90_backward takes it) sets DETERMINISTIC, the turn warp's order of the dQ warp's adds.
 SM90_BWD_CASES = {
     # 2 query heads x 2 query blocks: each stage of the ring is used twice (the producer waits on q_empty,
     # do_empty); rows 0 .. 39 see no key

@@ -74,7 +74,7 @@ SM90_BWD_STEPS = [
     (6, "dV += P^T dO (wgmma, P^T from registers)"),
     (7, "dS^T = P^T (dP^T - D)"),
     (8, "dK += dS^T Q (wgmma, dS^T from registers)"),
-    (9, "dS into shared memory; dQ_accum += dS K (wgmma), fp32 atomic adds, in key-block order when deterministic"),
+    (9, "dS into shared memory; dQ = dS K (wgmma) into sDqAcc, which the dQ warp adds into dQ_accum"),
     BWD_STEPS[9],
 ]
 # kernels_cu/flash_decode.cu (flash_decode [1] .. [10], flash_decode_combine [11], [12]) and cuflash/proto/flash_decode.py

@@ -19,13 +19,15 @@ each (query head, query block) pair `it` into a ring of kStages = 2 stages, each
 consumers have released the stage's previous use (q_empty, do_empty); warp 1 writes the pair's LSE offsets
 and D rows into the stage and arrives on q_full beside the Q tile. Warpgroup 1 + c is consumer c, owning keys
 64 c .. 64 c + 63: per pair S^T, dP^T, P^T, dV, dS^T, dK, its dS into sdS, then its 64 x 64 tile of dQ = dS K
-and the adds into dq_accum. kDqOwnKeys (d = 64, block_m = 64, two consumers): the one tile, each consumer's over
-its own keys; consumer c adds rows 32 c .. 32 c + 31 (those of its warps 2 c, 2 c + 1), its partial plus the
-other consumer's handed on through sDqX, and hands its other rows' partial on likewise.
+into the block's dQ tile in shared memory, sDqAcc. kDqOwnKeys (d = 64, block_m = 64, two consumers): the one
+tile, each consumer's over its own keys; consumer c writes rows 32 c .. 32 c + 31 (those of its warps 2 c,
+2 c + 1), its partial plus the other consumer's handed on through sDqX, and hands its other rows' partial on
+likewise. Producer warp 2, the dQ warp, adds sDqAcc's rows into dq_accum (CUDA: bulk reduces by the copy
+engine), so that the consumers issue no atomics.
 DETERMINISTIC: key blocks add into each dQ tile first to last while each visits its query blocks last to
-first (flash_bwd.py's backward_pair and dq_turn, as backward.cuh); producer warp 2, the turn warp, waits for
-each pair's turn and hands the tile on once the consumers have issued their adds, so that the consumers only
-meet it at the named barriers kDqReady and kDqDone.
+first (flash_bwd.py's backward_pair and dq_turn, as backward.cuh); producer warp 3, the turn warp, waits for
+each pair's turn, lets the dQ warp add (kDqTurn) and hands the tile on once the adds have completed
+(kDqAdded).
 
 What stands in for Hopper's machinery, as in proto/flash_fwd_sm90.py (the kernel's names are kept; stage is
 CUDA's s = it % kStages):
@@ -41,8 +43,12 @@ CUDA's s = it % kStages):
   wgmma        per-thread FMA loops marked `# CUDA: wgmma`, complete when they return.
   registers    the A operands CUDA keeps in registers (P^T for dV, dS^T for dK: a_frag) go through
                shared memory (sA), since a thread's partner holds the other half of its key's row.
-  named bars   CUDA's kDsReady (every consumer), kStore + consumer (one warpgroup), kDqReady and kDqDone (the
-               consumers and the turn warp) are syncthreads.
+  named bars   CUDA's kDsReady (every consumer), kStore + consumer (one warpgroup), kDqX (the consumers),
+               kDqFree and kDqFull (the consumers and the dQ warp), kDqTurn and kDqAdded (the dQ and turn
+               warps) are syncthreads.
+  bulk reduce  the dQ warp's lane 0 adds sDqAcc's rows below seqlen_q element by element (CUDA: one reduce
+               of those rows, contiguous in sDqAcc as in the accumulator, then a wait until the engine has
+               read sDqAcc, or with DETERMINISTIC until the adds have completed).
   setmaxnreg   no counterpart.
 Layout: a consumer's 128 threads hold its 64 keys two to a key (thread_layout(64, ., 128), proto/flash_fwd.py),
 each half of the key's queries (S^T, dP^T) and dims (dK, dV); the dQ tile likewise two threads to a query row.
@@ -103,7 +109,8 @@ def make_flash_bwd_sm90(cfg):
     STAGES = 2  # kStages
     IS_LOCAL, IS_SOFTCAP, IS_ALIBI, IS_DROPOUT, _, TRANSFORM = variant_flags(cfg)
     IS_DETERMINISTIC = bool(cfg.variant & DETERMINISTIC)  # kIsDeterministic
-    TURN_WARP = 2  # the producer warpgroup's warp that keeps the dQ tiles' turns
+    DQ_WARP = 2  # the producer warpgroup's warp that adds sDqAcc into dq_accum
+    TURN_WARP = 3  # and the one that keeps the dQ tiles' turns (DETERMINISTIC)
     SIMULATED = bool(numba_config.ENABLE_CUDASIM)  # blocks one after another: a turn never comes by waiting
     ACC = acc_type(cfg.dtype)
     # A consumer thread's share: key wg_key0 + tid // TPR, queries (S^T) / dims (dK, dV) lane + j * TPR;
@@ -311,7 +318,7 @@ def make_flash_bwd_sm90(cfg):
 
     @cuda.jit(device=True)
     def store_ds(it, acc_dp, sdS, key, lane):
-        # [9] dS into shared memory; dQ_accum += dS K (wgmma), fp32 atomic adds, in key-block order when deterministic
+        # [9] dS into shared memory; dQ = dS K (wgmma) into sDqAcc, which the dQ warp adds into dQ_accum
         # dS (queries x keys) into sdS, this consumer's keys (CUDA: transposed 16-bit stores, swizzled)
         ds_tile = it & 1  # two sdS: one written while the other may still be read
         for j in range(S_CPT):
@@ -339,8 +346,8 @@ def make_flash_bwd_sm90(cfg):
     @cuda.jit(device=True)
     def turn_warp_wait(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block, seqlen_q, seqlen_k,
                        window_left, window_right, lane):
-        # The turn warp (DETERMINISTIC, producer warp 2) at pair it: wait for the tile's turn (the key blocks
-        # before this one have added); the consumers' adds start at kDqReady, the syncthreads after this call
+        # The turn warp (DETERMINISTIC, producer warp 3) at pair it: wait for the tile's turn (the key blocks
+        # before this one have added); the dQ warp's adds start at kDqTurn, the syncthreads after this call
         # (CUDA: named_barrier_arrive)
         if lane == 0:
             head, m_block, turn = tile_turn(it, head_k, group, m_block_first, m_block_end, n_block, seqlen_q, seqlen_k,
@@ -356,13 +363,22 @@ def make_flash_bwd_sm90(cfg):
     @cuda.jit(device=True)
     def hand_on(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block, seqlen_q, seqlen_k,
                 window_left, window_right, lane):
-        # The turn warp, once the consumers have issued their adds into pair it's tile (CUDA:
-        # named_barrier_sync(kDqDone), the syncthreads before this call): the next key block's turn. No fence
-        # in the adding threads: the release is cumulative over what the barrier ordered before it
+        # The turn warp, once the dQ warp's adds into pair it's tile have completed (CUDA: its bulk_wait and
+        # fence, then named_barrier_sync(kDqAdded), the syncthreads before this call): the next key block's
+        # turn. The release is cumulative over what the barrier ordered before it
         if lane == 0:
             head, m_block, turn = tile_turn(it, head_k, group, m_block_first, m_block_end, n_block, seqlen_q, seqlen_k,
                                             window_left, window_right)
             cuda.atomic.exch(semaphore, (batch, head, m_block), turn + 1)  # CUDA: store_release
+
+    @cuda.jit(device=True)
+    def add_dq_tile(sDqAcc, dq_accum, batch, head, row_begin, seqlen_q, lane):
+        # The dQ warp: sDqAcc's rows below seqlen_q into the accumulator (CUDA: lane 0's one bulk reduce of
+        # those rows, dq_accum's width)
+        if lane == 0:
+            for r in range(min(BLOCK_M, seqlen_q - row_begin)):
+                for c in range(dq_accum.shape[3]):
+                    cuda.atomic.add(dq_accum, (batch, head, row_begin + r, c), sDqAcc[r, c])
 
     @cuda.jit(device=True)
     def release(bars, stage, tid):
@@ -385,6 +401,7 @@ def make_flash_bwd_sm90(cfg):
         sD = cuda.shared.array((STAGES, BLOCK_M), ACC)
         # kDqOwnKeys: the dQ partials handed to the other consumer, two buffers (by it & 1) as sdS's
         sDqX = cuda.shared.array(DQX_SHAPE, ACC)
+        sDqAcc = cuda.shared.array((BLOCK_M, HEAD_DIM), ACC)  # the block's dQ tile (CUDA: fp32, padded rows)
         bars = cuda.shared.array(N_BARS, int32)
 
         head_k, batch, n_block, seqlen_q, seqlen_k, group, m_block_first, m_block_end = block_coordinates(
@@ -464,39 +481,40 @@ def make_flash_bwd_sm90(cfg):
             # CUDA: fence_proxy_async, then named barrier kStore + consumer (kDqOwnKeys: this consumer's keys
             # are in) or kDsReady (every consumer's)
             cuda.syncthreads()
-            adds = consumer >= 0
+            writes = consumer >= 0
             from_ = 0  # CUDA's `from`: the consumer whose partial sDqX holds
+            warp_id = cuda.threadIdx.x // 32
             if consumer >= 0:
                 issue_dq(it, acc_dq, sdS, sK, dq_row0, dq_col0, dq_key0, dq_r, lane)
                 release(bars, stage, tid)
-                # The adds. kDqOwnKeys: consumer c adds the rows of its warps 2c, 2c + 1, their partials summed
-                # with the other consumer's (handed on through sDqX); its other rows' partial it hands on
+                # kDqOwnKeys: consumer c writes the rows of its warps 2c, 2c + 1, their partials summed with the
+                # other consumer's (handed on through sDqX); its other rows' partial it hands on
                 if DQ_OWN_KEYS:
-                    adds = warp // 2 == consumer
-                    from_ = 1 - consumer if adds else consumer
-                    if not adds:
+                    writes = warp // 2 == consumer
+                    from_ = 1 - consumer if writes else consumer
+                    if not writes:
                         for j in range(DQ_CPT):
                             sDqX[it & 1, from_, dq_r % 32, lane + j * TPR] = acc_dq[j]
-            if IS_DETERMINISTIC and cuda.threadIdx.x // 32 == TURN_WARP:
-                turn_warp_wait(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block, seqlen_q,
-                               seqlen_k, window_left, window_right, cuda.threadIdx.x % 32)
-            if DQ_OWN_KEYS or IS_DETERMINISTIC:
-                # CUDA: named barrier kDqReady (the consumers sync, the turn warp arrives): sDqX's partials are
-                # in, this tile's turn has come
-                cuda.syncthreads()
-            if adds:
+            if DQ_OWN_KEYS:
+                cuda.syncthreads()  # CUDA: named barrier kDqX (the consumers): sDqX's partials are in
+            if writes:
                 if DQ_OWN_KEYS:
                     for j in range(DQ_CPT):
                         acc_dq[j] += sDqX[it & 1, from_, dq_r % 32, lane + j * TPR]
-                row = row_begin + dq_row0 + dq_r
-                if row < seqlen_q:
-                    for j in range(DQ_CPT):
-                        c = dq_col0 + lane + j * TPR
-                        if c < head_dim:  # CUDA: red.global.add.v2.f32
-                            cuda.atomic.add(dq_accum, (batch, head, row, c), acc_dq[j])
+                # CUDA: after named barrier kDqFree (the dQ warp has read the last pair's sDqAcc)
+                for j in range(DQ_CPT):
+                    sDqAcc[dq_row0 + dq_r, dq_col0 + lane + j * TPR] = acc_dq[j]
+            if IS_DETERMINISTIC and warp_id == TURN_WARP:
+                turn_warp_wait(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block, seqlen_q,
+                               seqlen_k, window_left, window_right, cuda.threadIdx.x % 32)
+            # CUDA: named barriers kDqFull (the consumers arrive, the dQ warp syncs) and, DETERMINISTIC, kDqTurn
+            # (the turn warp arrives, the dQ warp syncs)
+            cuda.syncthreads()
+            if warp_id == DQ_WARP:
+                add_dq_tile(sDqAcc, dq_accum, batch, head, row_begin, seqlen_q, cuda.threadIdx.x % 32)
             if IS_DETERMINISTIC:
-                cuda.syncthreads()  # CUDA: named barrier kDqDone (the consumers arrive, the turn warp syncs)
-                if cuda.threadIdx.x // 32 == TURN_WARP:
+                cuda.syncthreads()  # CUDA: named barrier kDqAdded (the dQ warp arrives, the turn warp syncs)
+                if warp_id == TURN_WARP:
                     hand_on(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block, seqlen_q,
                             seqlen_k, window_left, window_right, cuda.threadIdx.x % 32)
             cuda.syncthreads()  # end of the phase: the releases are in
