@@ -14,7 +14,7 @@ rc=0
 for stage in "$@"; do
   t0=$SECONDS
   case "$stage" in
-    test) timeout "${TEST_SECONDS:-240}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
+    test) timeout "${TEST_SECONDS:-420}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
             --durations=10 -o faulthandler_timeout=120 > "$OUT/pytest_gpu.log" 2>&1 ;;
     bench) timeout "${BENCH_SECONDS:-200}" python3 -m cuflash bench --suite all --max-seconds "${BENCH_CAP:-170}" \
             --max-suite-seconds 60 --json "$OUT/bench.json" --plot "$OUT/bench.png" > "$OUT/bench.log" 2>&1 ;;
