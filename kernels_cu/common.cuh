@@ -89,8 +89,8 @@ __device__ __forceinline__ void red_add2(float* addr, float a, float b) {
     atomicAdd(addr + 1, b);
 #endif
 }
-// A flag another block publishes with store_release after its writes (and a __threadfence in each writer
-// thread): what it wrote before is visible to the block that load_acquire-s the new value.
+// A flag another block publishes with store_release after its writes: what the releasing thread wrote, and
+// what the block's barriers ordered before the release, is visible to the block that load_acquire-s it.
 __device__ __forceinline__ int load_acquire(const int* flag) {
     int v;
     asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");

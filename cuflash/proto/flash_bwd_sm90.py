@@ -46,9 +46,10 @@ CUDA's s = it % kStages):
   named bars   CUDA's kDsReady (every consumer), kStore + consumer (one warpgroup), kDqX (the consumers),
                kDqFree and kDqFull (the consumers and the dQ warp), kDqTurn and kDqAdded (the dQ and turn
                warps) are syncthreads.
-  bulk reduce  the dQ warp's lane 0 adds sDqAcc's rows below seqlen_q element by element (CUDA: one reduce
-               of those rows, contiguous in sDqAcc as in the accumulator, then a wait until the engine has
-               read sDqAcc, or with DETERMINISTIC until the adds have completed).
+  bulk reduce  the dQ warp's lane 0 adds sDqAcc's rows below seqlen_q element by element, the call's
+               head_dim columns (CUDA: one reduce of those rows, contiguous in sDqAcc as in the accumulator,
+               whose rows are the compiled head dim wide; then a wait until the engine has read sDqAcc, or
+               with DETERMINISTIC until the adds have completed).
   setmaxnreg   no counterpart.
 Layout: a consumer's 128 threads hold its 64 keys two to a key (thread_layout(64, ., 128), proto/flash_fwd.py),
 each half of the key's queries (S^T, dP^T) and dims (dK, dV); the dQ tile likewise two threads to a query row.
@@ -401,7 +402,8 @@ def make_flash_bwd_sm90(cfg):
         sD = cuda.shared.array((STAGES, BLOCK_M), ACC)
         # kDqOwnKeys: the dQ partials handed to the other consumer, two buffers (by it & 1) as sdS's
         sDqX = cuda.shared.array(DQX_SHAPE, ACC)
-        sDqAcc = cuda.shared.array((BLOCK_M, HEAD_DIM), ACC)  # the block's dQ tile (CUDA: fp32, padded rows)
+        # the block's dQ tile (CUDA: fp32, rows of dq_accum_row_stride floats)
+        sDqAcc = cuda.shared.array((BLOCK_M, HEAD_DIM), ACC)
         bars = cuda.shared.array(N_BARS, int32)
 
         head_k, batch, n_block, seqlen_q, seqlen_k, group, m_block_first, m_block_end = block_coordinates(
