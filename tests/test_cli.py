@@ -74,7 +74,7 @@ def test_compile_reports_and_shows_no_progress_off_a_terminal(monkeypatch):
 class FakeDevice:
     # between the smallest sm_90a config's shared memory and the largest other's: some configs drop out by
     # size, and the sm_90a kernels, some of which would fit, by compute capability
-    attributes = {"MaxSharedMemoryPerBlockOptin": 140_000}
+    attributes = {"MaxSharedMemoryPerBlockOptin": 150_000}
     compute_capability = "86"
 
 
