@@ -357,17 +357,14 @@ def choose_backward(dtype, head_dim: int, variant: int, *, key_slabs: int = 0, s
 # What flash_fwd_sm90 does not serve (choose_forward sends it to flash_fwd): per-sequence row offsets and key
 # counts, whose tiles TMA boxes over the whole array would not respect.
 SM90_UNSERVED = VARLEN | SEQUSED | PAGED
-# flash_bwd_sm90 serves what flash_fwd_sm90 does. Above d = 64 the softcap's derivative (a tile of registers
-# from [5] to [7]) takes registers it lacks (the compile gate: spills); dropout's keep mask does not.
+# flash_bwd_sm90 serves what flash_fwd_sm90 does (the softcap's derivative recovered from P at [7]: a tile of
+# it kept from [5] spilled at d = 128).
 SM90_BWD_UNSERVED = SM90_UNSERVED
-SM90_BWD_UNSERVED_ABOVE_64 = SOFTCAP
 
 
 def sm90_serves_backward(head_dim: int, variant: int) -> bool:
     """Does flash_bwd_sm90 serve a backward call? (else flash_bwd does; README Limits lists these)"""
-    if head_dim > max(_TILES["flash_bwd_sm90"]) or variant & SM90_BWD_UNSERVED:
-        return False
-    return head_dim <= 64 or not variant & SM90_BWD_UNSERVED_ABOVE_64
+    return head_dim <= max(_TILES["flash_bwd_sm90"]) and not variant & SM90_BWD_UNSERVED
 
 
 # Decoding over a KV cache (flash_decode, flash_attn_with_kvcache): the query heads of a GQA group are packed
@@ -503,6 +500,6 @@ def all_configs() -> list[KernelConfig]:
             hopper = [choose_forward(dt, d, v, compute_capability=90) for v in (0, LOCAL, ALL_VARIANTS & ~SM90_UNSERVED)]
             bwd_all = ALL_VARIANTS & ~SM90_BWD_UNSERVED
             hopper += [choose_backward(dt, d, v, compute_capability=90)[1]
-                       for v in (0, LOCAL, bwd_all, bwd_all & ~SM90_BWD_UNSERVED_ABOVE_64)]
+                       for v in (0, LOCAL, bwd_all)]
             out.extend(c for c in hopper if c not in out)
     return out

@@ -99,7 +99,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
 
     unsigned dyn_smem;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-    if (dyn_smem < Smem::kBytes) __trap();
+    // sDqAcc holds kBlockM rows of the accumulator's width: a width past kHeadDim would overrun it
+    if (dyn_smem < Smem::kBytes || p.dq_accum_row_stride > kHeadDim || p.dq_accum_row_stride % 8) __trap();
     extern __shared__ __align__(16) char smem[];
     const unsigned base = (smem_u32(smem) + 1023u) & ~1023u;
     char* const base_ptr = smem + (base - smem_u32(smem));
@@ -211,7 +212,12 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
                 pair(it, head, m_block);
                 const int row_begin = m_block * kBlockM;
                 named_barrier_sync(kDqFull, kDqThreads);
-                if constexpr (kIsDeterministic) named_barrier_sync(kDqTurn, 64);
+                if constexpr (kIsDeterministic) {
+                    named_barrier_sync(kDqTurn, 64);
+                    // the previous key block's adds, acquired by the turn warp (generic proxy), before this
+                    // reduce (async proxy) adds to them
+                    asm volatile("fence.proxy.async.global;" ::: "memory");
+                }
                 if (lane == 0) {
                     const unsigned rows = min(kBlockM, seqlen_q - row_begin);
                     bulk_reduce_add_f32(dq_accum_rows(p, seq, batch, head) + row_begin * p.dq_accum_row_stride, sDqAcc,
@@ -278,6 +284,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
         const int row_begin = m_block * kBlockM;
         const Mod mod(p.fwd, batch, head, mask.shift);
         const float scale_log2 = *sScaleLog2;
+        const float inv_scale_log2 = kIsSoftcap ? 1.f / scale_log2 : 0.f;
 
         // [4] S^T = K Q^T and dP^T = V dO^T (wgmma from shared memory)
         // acc_s[ni][2h + e]: key key_row0 + g + 8h, query 8 ni + 2t + e (for_each_score_t's layout)
@@ -311,12 +318,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
         fence_operands(acc_s);
 
         // [5] Score modifiers, mask, P^T = exp2(S^T * scale_log2 - LSE * log2(e)), dropout
-        float dcap[kIsSoftcap ? kNTilesQ : 1][4];  // d logit / d(scale * S): the softcap's 1 - tanh^2
-        if constexpr (kIsSoftcap) {
-            for_each_score_t<kNTilesQ>(key_begin + key_row0, row_begin, lane,
-                                       [&](float& x, float& dc, int row, int col) { x = mod.apply(x, row, col, dc); },
-                                       acc_s, dcap);
-        } else if constexpr (Mod::kTransform) {
+        if constexpr (Mod::kTransform) {
             for_each_score_t<kNTilesQ>(key_begin + key_row0, row_begin, lane, [&](float& x, int row, int col) {
                 float dc;
                 x = mod.apply(x, row, col, dc);
@@ -366,7 +368,14 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
                 } else {
                     ds = acc_s[ni][e] * (acc_dp[ni][e] - d);
                 }
-                if constexpr (kIsSoftcap) ds *= dcap[ni][e];
+                if constexpr (kIsSoftcap) {
+                    // the softcap's 1 - t^2 from P (held logit = (log2 P + LSE offset) / scale_log2): no tile of
+                    // derivatives kept in registers since [5]. P = 0 (masked, underflowed) gives dS = 0
+                    const float pv = fabsf(acc_s[ni][e]);
+                    const float x = (__log2f(pv) + at_query(lse_off, ni, e)) * inv_scale_log2;
+                    const float dc = mod.dcap_of(x, row_begin + 8 * ni + 2 * t + (e & 1), key_begin + key_row0 + g + 8 * (e >> 1));
+                    ds = pv == 0.f ? 0.f : ds * dc;
+                }
                 acc_dp[ni][e] = ds;
             }
 

@@ -169,6 +169,12 @@ struct ScoreMod {
         if constexpr ((kVariant & kAlibi) != 0) x = fma(-bias, fabs(static_cast<A>(row + shift - col)), x);
         return x;
     }
+    // apply's dcap again from its result x (what a kernel can recover from P, not keeping dcap in registers):
+    // ALiBi's bias undone, then 1 - t^2
+    __device__ __forceinline__ A dcap_of(A x, int row, int col) const {
+        if constexpr ((kVariant & kAlibi) != 0) x = fma(bias, fabs(static_cast<A>(row + shift - col)), x);
+        return A(1) - x * x;
+    }
 };
 
 }  // namespace cuflash

@@ -50,8 +50,9 @@ __device__ __forceinline__ void tma_load_4d(unsigned dst, const void* tensor_map
 // closes a group, bulk_wait_read<N> waits until at most N groups still read shared memory (the source may be
 // written again), bulk_wait<N> until at most N are unfinished (their adds are done in global memory).
 __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, unsigned src, unsigned bytes) {
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst), "r"(src),
-                 "r"(bytes)
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(
+                     __cvta_generic_to_global(dst)),
+                 "r"(src), "r"(bytes)
                  : "memory");
 }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }

@@ -155,7 +155,7 @@ def test_hopper_forward_choice():
 
 def test_hopper_backward_choice():
     """flash_bwd_sm90 is the middle launch of 16-bit dense backwards on compute capability 9.0, head dims up to
-    128, deterministic or not; above d = 64 not with a softcap. The rest run flash_bwd."""
+    128, deterministic or not, every variant but varlen. The rest run flash_bwd."""
     def main(dt="bfloat16", d=128, v=0, cc=90, **kw):
         return config.choose_backward(dt, d, v, compute_capability=cc, **kw)[1]
 
@@ -164,9 +164,10 @@ def test_hopper_backward_choice():
     assert mid.family == "sm90" and mid.arch == "90a" and mid.threads == 384
     assert main(d=40).head_dim == 64 and main(d=96).head_dim == 128  # whole 64-column slabs
     assert main(d=64, v=config.SOFTCAP | config.DROPOUT).family == "sm90"
+    assert main(v=config.SOFTCAP | config.ALIBI | config.DROPOUT).family == "sm90"
     assert main(v=config.DETERMINISTIC | config.LOCAL).variant == config.DETERMINISTIC | config.LOCAL
     assert main(d=64, v=config.DETERMINISTIC).family == "sm90" and main(v=config.DROPOUT).family == "sm90"
-    for d, v in ((160, 0), (128, config.VARLEN), (128, config.SOFTCAP), (128, config.SOFTCAP | config.DROPOUT)):
+    for d, v in ((160, 0), (128, config.VARLEN), (64, config.VARLEN | config.SOFTCAP)):
         assert main(d=d, v=v).kernel == "flash_bwd", (d, v)
     assert main(cc=80).kernel == "flash_bwd" and main(family="mma").kernel == "flash_bwd"
     assert main("float32").family == "simt"

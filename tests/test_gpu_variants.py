@@ -49,6 +49,11 @@ CASES = [
     ("dropout-causal-varlen", "float32", 2, 120, 150, 2, 2, 128, dict(dropout_p=0.1, seed=3, causal=True, varlen=True)),
     ("every-variant", "float16", 2, 333, 333, 4, 2, 160,
      dict(causal=True, window=(60, 0), softcap=4.0, alibi_slopes="bh", dropout_p=0.15, seed=1, varlen=True)),
+    # dense 16-bit at head dims over 64: the Hopper backward's softcap (1 - t^2 recovered from P) under every
+    # other variant, tails and GQA
+    ("every-variant-dense", "bfloat16", 2, 333, 401, 4, 2, 128,
+     dict(causal=True, window=(60, 0), softcap=4.0, alibi_slopes="bh", dropout_p=0.15, seed=1)),
+    ("softcap-alibi-dense", "float16", 2, 200, 170, 4, 1, 96, dict(softcap=1.5, alibi_slopes="h")),
     ("window-long", "bfloat16", 1, 2048, 2048, 2, 2, 64, dict(window=(128, 128))),
     # enough key blocks for the backward's large tile (the small-grid rule gives the small cases another)
     ("window-wide-grid", "float16", 4, 1024, 1024, 8, 4, 128, dict(window=(100, 50))),

@@ -72,7 +72,7 @@ from .dropout import keep
 from .flash_bwd import LOG2E, backward_pair, dq_turn, lse_to_log2_offset
 from .flash_fwd import acc_type, load_tile, thread_layout, variant_flags
 from .flash_fwd_sm90 import WARPGROUP, mbarrier_arrive, mbarrier_try_wait, mbarrier_wait
-from .mask import m_block_range, n_block_range, needs_mask, score_mod, score_mod_init, visible
+from .mask import dcap_of, m_block_range, n_block_range, needs_mask, score_mod, score_mod_init, visible
 from .seqinfo import seq_info
 
 WG_KEYS = 64  # keys of one consumer warpgroup
@@ -119,7 +119,6 @@ def make_flash_bwd_sm90(cfg):
     TPR, _, _, S_CPT = thread_layout(WG_KEYS, BLOCK_M, WARPGROUP)
     D_CPT = thread_layout(WG_KEYS, HEAD_DIM, WARPGROUP)[3]
     DQ_CPT = thread_layout(DQ_TILE, DQ_TILE, WARPGROUP)[3]
-    CAP_CPT = S_CPT if IS_SOFTCAP else 1
     # kDqOwnKeys: consumer warp w holds dQ rows 16 w .. 16 w + 15 (dq_r = tid // TPR, TPR = 2), as CUDA's does;
     # sDqX [it & 1][from consumer][row % 32][col]: CUDA's 2 x 2 x (2 warps x 32 floats x 32 lanes)
     assert TPR == 2 and thread_layout(DQ_TILE, DQ_TILE, WARPGROUP)[0] == TPR
@@ -241,18 +240,15 @@ def make_flash_bwd_sm90(cfg):
             acc_dp[j] = x
 
     @cuda.jit(device=True)
-    def p_of(it, acc_s, dcap, sLse, col, lane, row_begin, m_block, n_block, seqlen_q, seqlen_k, window_left,
+    def p_of(it, acc_s, sLse, col, lane, row_begin, m_block, n_block, seqlen_q, seqlen_k, window_left,
              window_right, tanh_in, bias, score_log2, seed_lo, seed_hi, bh, offset, dropout_threshold):
         # [5] Score modifiers, mask, P^T = exp2(S^T * scale_log2 - LSE * log2(e)), dropout
         # This thread's scores: key col, queries row_begin + lane + j * TPR
         shift = seqlen_k - seqlen_q
         if TRANSFORM:
             for j in range(S_CPT):
-                x, dc = score_mod(IS_SOFTCAP, IS_ALIBI, tanh_in, bias, shift, acc_s[j], row_begin + lane + j * TPR,
-                                  col)
-                acc_s[j] = x
-                if IS_SOFTCAP:
-                    dcap[j] = dc  # d logit / d(scale * S): the softcap's 1 - tanh^2
+                acc_s[j] = score_mod(IS_SOFTCAP, IS_ALIBI, tanh_in, bias, shift, acc_s[j], row_begin + lane + j * TPR,
+                                     col)[0]
         if needs_mask(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, m_block, n_block):
             for j in range(S_CPT):
                 if not visible(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, row_begin + lane + j * TPR,
@@ -288,11 +284,13 @@ def make_flash_bwd_sm90(cfg):
             acc_dv[j] = a
 
     @cuda.jit(device=True)
-    def ds_of(it, acc_s, acc_dp, dcap, sD, lane, dropout_scale):
+    def ds_of(it, acc_s, acc_dp, sD, sLse, col, lane, row_begin, seqlen_q, seqlen_k, bias, score_log2,
+              dropout_scale):
         # [7] dS^T = P^T (dP^T - D)
         # D belongs to the query (column). Dropout: dL/dP is dP / (1 - p) where kept and 0 where dropped
         # (there acc_s = -P, so dS = -P * D = acc_s * D). Softcap: times 1 - tanh^2.
         stage = it % STAGES
+        shift = seqlen_k - seqlen_q
         for j in range(S_CPT):
             d = sD[stage, lane + j * TPR]
             if IS_DROPOUT:
@@ -303,7 +301,14 @@ def make_flash_bwd_sm90(cfg):
             else:
                 ds = acc_s[j] * (acc_dp[j] - d)
             if IS_SOFTCAP:
-                ds *= dcap[j]
+                # the softcap's 1 - t^2 from P (held score = (log2 P + LSE offset) / score_log2), not kept
+                # since [5]; P = 0 (masked, underflowed) gives dS = 0
+                pv = abs(acc_s[j])
+                if pv == 0:
+                    ds = ACC(0)
+                else:
+                    x = (math.log2(pv) + sLse[stage, lane + j * TPR]) / score_log2
+                    ds *= dcap_of(IS_ALIBI, bias, shift, x, row_begin + lane + j * TPR, col)
             acc_dp[j] = ds
 
     @cuda.jit(device=True)
@@ -447,7 +452,6 @@ def make_flash_bwd_sm90(cfg):
 
         acc_s = cuda.local.array(S_CPT, ACC)
         acc_dp = cuda.local.array(S_CPT, ACC)
-        dcap = cuda.local.array(CAP_CPT, ACC)
         acc_dk = cuda.local.array(D_CPT, ACC)
         acc_dv = cuda.local.array(D_CPT, ACC)
         acc_dq = cuda.local.array(DQ_CPT, ACC)
@@ -461,20 +465,21 @@ def make_flash_bwd_sm90(cfg):
             stage = it % STAGES
             head, m_block = pair(it, head_k, group, m_block_first, m_block_end)
             row_begin = m_block * BLOCK_M
+            # ScoreMod of this (batch, head): the transform's constants and exp2's scale
+            slope = alibi_slopes[batch * alibi_batch_stride + head] if IS_ALIBI else ACC(0)
+            _, tanh_in, bias, score_log2 = score_mod_init(IS_SOFTCAP, softmax_scale, softcap, slope, scale_log2,
+                                                          ACC(LOG2E))
             if consumer >= 0:
-                # ScoreMod of this (batch, head): the transform's constants and exp2's scale
-                slope = alibi_slopes[batch * alibi_batch_stride + head] if IS_ALIBI else ACC(0)
-                _, tanh_in, bias, score_log2 = score_mod_init(IS_SOFTCAP, softmax_scale, softcap, slope,
-                                                              scale_log2, ACC(LOG2E))
                 issue_s_dp(it, acc_s, acc_dp, bars, sK, sV, sQ, sdO, key, lane)
-                p_of(it, acc_s, dcap, sLse, key_begin + key, lane, row_begin, m_block, n_block, seqlen_q, seqlen_k,
+                p_of(it, acc_s, sLse, key_begin + key, lane, row_begin, m_block, n_block, seqlen_q, seqlen_k,
                      window_left, window_right, tanh_in, bias, score_log2, seed_lo, seed_hi,
                      uint64(batch * nheads + head), offset, dropout_threshold)
                 to_a_frag(acc_s, sA, 0, key, lane, IS_DROPOUT)
             cuda.syncthreads()  # every thread's P^T is in sA (CUDA: none, it stays in registers)
             if consumer >= 0:
                 issue_dv(it, acc_dv, sA, sdO, key, lane)
-                ds_of(it, acc_s, acc_dp, dcap, sD, lane, dropout_scale)
+                ds_of(it, acc_s, acc_dp, sD, sLse, key_begin + key, lane, row_begin, seqlen_q, seqlen_k, bias,
+                      score_log2, dropout_scale)
                 to_a_frag(acc_dp, sA, 1, key, lane, False)
             cuda.syncthreads()  # and its dS^T
             if consumer >= 0:

@@ -131,3 +131,12 @@ def score_mod(is_softcap, is_alibi, tanh_in, bias, shift, s, row, col):
     if is_alibi:
         x -= bias * abs(row + shift - col)
     return x, dcap
+
+
+@cuda.jit(device=True)
+def dcap_of(is_alibi, bias, shift, x, row, col):
+    # score_mod's dcap again from its held score x (what a kernel can recover from P instead of keeping
+    # dcap): ALiBi's bias undone, then 1 - t^2
+    if is_alibi:
+        x += bias * abs(row + shift - col)
+    return 1.0 - x * x
