@@ -45,6 +45,7 @@ BWD_PARAMS = np.dtype(
         ("dq_accum_offset", _i64), ("dq_semaphore_offset", _i64),
         *_strides("dq_accum", ("batch", "head", "row")),
         *_strides("dq_semaphore", ("batch", "head")),
+        ("dq_accum_swizzle", _i32),
     ],
     align=True,
 )

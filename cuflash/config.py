@@ -205,6 +205,9 @@ _PREPROCESS_TILE = (64, 4)
 # DETERMINISTIC: one dQ semaphore per SEMAPHORE_ROWS query rows, as many as preprocess blocks (preprocess
 # block i zeroes semaphore i); flash_bwd's block_m is a multiple of it and uses the first of them.
 SEMAPHORE_ROWS = _PREPROCESS_TILE[0]
+# The row bits that swizzle the fp32 dQ accumulator's 8-float chunks when flash_bwd_sm90 adds into it (backward.cuh's
+# dq_accum_col and kDqSwizzleSm90: its shared-memory copy of a tile stores without bank conflicts); flash_bwd's 0.
+DQ_SWIZZLE_SM90 = 3
 
 
 def smem_bytes(cfg: KernelConfig) -> int:

@@ -42,6 +42,15 @@ __device__ __forceinline__ float* dq_accum_rows(const BwdParams& p, const Seq& s
     return reinterpret_cast<float*>(static_cast<char*>(p.dsum) + p.dq_accum_offset) +
            seq.q_offset(batch, p.dq_accum_batch_stride, p.dq_accum_row_stride) + head * p.dq_accum_head_stride;
 }
+// Where column col of the accumulator's row `row` (counted from the entry's first row) lies: its 8-float chunk
+// trades places with chunk ^ (row & swizzle) (BwdParams::dq_accum_swizzle). flash_bwd_sm90's sDqAcc holds a tile
+// as the accumulator does (one bulk reduce adds it), and unswizzled rows, a multiple of 32 floats long, all start
+// in bank 0: the 8 rows of a warp's fragment stores would take 8-way bank conflicts, where kDqSwizzleSm90 spreads
+// them over the 4 bank groups of a 128-byte line (2 wavefronts, the fewest). flash_bwd adds straight into global
+// memory and keeps the plain layout (its 255 registers have none to spare for the swizzle). Rows being multiples
+// of 32 floats, chunks stay in their row.
+constexpr int kDqSwizzleSm90 = 3;
+__device__ __forceinline__ int dq_accum_col(int row, int col, int swizzle) { return col ^ ((row & swizzle) << 3); }
 __device__ __forceinline__ int* dq_semaphores(const BwdParams& p, int batch, int head) {
     return reinterpret_cast<int*>(static_cast<char*>(p.dsum) + p.dq_semaphore_offset) +
            batch * p.dq_semaphore_batch_stride + head * p.dq_semaphore_head_stride;

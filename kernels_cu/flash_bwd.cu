@@ -493,8 +493,10 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_postprocess(const __gr
     const int chunks = p.fwd.head_dim / 8;
     for (int i = threadIdx.x; i < rows * chunks; i += kNWarps * 32) {
         const int r = i / chunks, c = (i - r * chunks) * 8;
-        const float4 x0 = *reinterpret_cast<const float4*>(acc + r * p.dq_accum_row_stride + c);
-        const float4 x1 = *reinterpret_cast<const float4*>(acc + r * p.dq_accum_row_stride + c + 4);
+        // (row_begin: a multiple of 4, which dq_accum_col's swizzle keys on)
+        const float* chunk = acc + r * p.dq_accum_row_stride + dq_accum_col(r, c, p.dq_accum_swizzle);
+        const float4 x0 = *reinterpret_cast<const float4*>(chunk);
+        const float4 x1 = *reinterpret_cast<const float4*>(chunk + 4);
         *reinterpret_cast<uint4*>(dq + r * p.dq_row_stride + c) =
             make_uint4(pack2<T>(x0.x * scale, x0.y * scale), pack2<T>(x0.z * scale, x0.w * scale),
                        pack2<T>(x1.x * scale, x1.y * scale), pack2<T>(x1.z * scale, x1.w * scale));

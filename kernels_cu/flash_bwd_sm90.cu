@@ -52,8 +52,8 @@ struct Sm90BwdSmem {  // byte offsets from the 1024-aligned base
     static constexpr unsigned kDS = kBlockM * kBlockN * 2;   // one sdS
     static constexpr unsigned kK = 0, kV = kKV, kQs = 2 * kKV, kdOs = kQs + kStages * kQ, kdSs = kdOs + kStages * kQ;
     static constexpr unsigned kLse = kdSs + 2 * kDS, kD = kLse + kStages * kBlockM * 4;
-    // sDqAcc holds the tile as the accumulator does (rows of dq_accum_row_stride floats): one bulk reduce
-    // adds it (per-row reduces, or padded rows against bank conflicts, cost more in the copy engine)
+    // sDqAcc holds the tile as the accumulator does (rows of dq_accum_row_stride floats, swizzled: no bank
+    // conflicts): one bulk reduce adds it (per-row reduces, or padded rows, cost more in the copy engine)
     static constexpr unsigned kDqAcc = kD + kStages * kBlockM * 4;
     // d = 64 (kDqOwnKeys): 2 buffers x 2 consumers x 2 warps x 32 lanes x 32 floats of handed-on dQ partials
     static constexpr bool kDqOwnKeys = kBlockM * kHeadDim == 64 * 64;
@@ -99,8 +99,11 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
 
     unsigned dyn_smem;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-    // sDqAcc holds kBlockM rows of the accumulator's width: a width past kHeadDim would overrun it
-    if (dyn_smem < Smem::kBytes || p.dq_accum_row_stride > kHeadDim || p.dq_accum_row_stride % 8) __trap();
+    // sDqAcc holds kBlockM rows of the accumulator's width: a width past kHeadDim would overrun it; the stores
+    // below write whole groups of 32 floats, swizzled by kDqSwizzleSm90, as the postprocess will read them
+    if (dyn_smem < Smem::kBytes || p.dq_accum_row_stride > kHeadDim || p.dq_accum_row_stride % 32 ||
+        p.dq_accum_swizzle != kDqSwizzleSm90)
+        __trap();
     extern __shared__ __align__(16) char smem[];
     const unsigned base = (smem_u32(smem) + 1023u) & ~1023u;
     char* const base_ptr = smem + (base - smem_u32(smem));
@@ -446,15 +449,21 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
         named_barrier_sync(kDqFree, kDqThreads);  // the dQ warp has read the last pair's sDqAcc
         if (writes) {
             // acc_dq[nd][2h + e]: query row dq_row0 + 16 warp + g + 8h, dim dq_col0 + 8 nd + 2t + e; the dims the
-            // accumulator has (a whole 8-column group or none: its width is a multiple of 32)
+            // accumulator has (a whole 8-column group or none: its width is a multiple of 32), swizzled as there
+            // (a warp's 8 rows x 32 bytes in 2 wavefronts). dq_accum_col(g, ..., kDqSwizzleSm90) (the rows'
+            // swizzle is g's) as an XOR on the address: rows are 128-byte aligned, and chunk nd's place differs
+            // from chunk nd % 4's by (nd / 4) 128 bytes
+            static_assert(Smem::kDqAcc % 128 == 0, "sDqAcc's rows 128-byte aligned");
             const int width = p.dq_accum_row_stride;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const unsigned row = sDqAcc + ((dq_row0 + 16 * warp + g + 8 * h) * width + dq_col0 + 2 * t) * 4;
+                const int row = dq_row0 + 16 * warp + g + 8 * h;
+                const unsigned at = sDqAcc + (row * width + dq_col0 + 8 * (g & kDqSwizzleSm90) + 2 * t) * 4;
 #pragma unroll
                 for (int nd = 0; nd < 8; ++nd)
                     if (dq_col0 + 8 * nd < width)
-                        asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(row + 32 * nd), "f"(acc_dq[nd][2 * h]),
+                        asm volatile("st.shared.v2.f32 [%0], {%1, %2};"
+                                     ::"r"((at ^ (nd % 4) * 32) + (nd / 4) * 128), "f"(acc_dq[nd][2 * h]),
                                      "f"(acc_dq[nd][2 * h + 1])
                                      : "memory");
             }

@@ -74,12 +74,14 @@ struct BwdParams {
     long long dsum_batch_stride, dsum_head_stride;  // dsum row stride is 1
 
     // Tensor-core backward (flash_bwd): byte offsets into the workspace, -1 where absent. The fp32 dQ
-    // accumulator [batch, head, row, dim] (row stride: the compiled head dim), zeroed by preprocess, summed
-    // into by flash_bwd, converted by postprocess; with kDeterministic one int semaphore per (entry, head,
-    // 64 query rows), zeroed by preprocess: how many key blocks have added into that dQ tile.
+    // accumulator [batch, head, row, dim] (row stride: the compiled head dim; its 8-float chunks swizzled by
+    // the row bits dq_accum_swizzle, backward.cuh's dq_accum_col), zeroed by preprocess, summed into by
+    // flash_bwd(_sm90), converted by postprocess; with kDeterministic one int semaphore per (entry, head, 64
+    // query rows), zeroed by preprocess: how many key blocks have added into that dQ tile.
     long long dq_accum_offset, dq_semaphore_offset;
     long long dq_accum_batch_stride, dq_accum_head_stride, dq_accum_row_stride;
     long long dq_semaphore_batch_stride, dq_semaphore_head_stride;
+    int dq_accum_swizzle;  // kDqSwizzleSm90 for flash_bwd_sm90, 0 (none) for flash_bwd
 };
 
 // Decoding over a KV cache (flash_decode.cu): FwdParams (k, v: the caches; kSeqused, and kPaged for page

@@ -255,6 +255,15 @@ def test_sm90_smem_matches_the_kernel(kernel, layout):
         assert cfg.smem_bytes == kbytes <= config.SMEM_LIMIT[90], cfg
 
 
+def test_dq_swizzle_matches_the_kernels():
+    """The swizzle backward_launches sets for flash_bwd_sm90 (which traps on another), and what it does: chunks of 8
+    columns trade places within their row's groups of 32 (the postprocess reads them back)."""
+    expr = ["cuflash::kDqSwizzleSm90"] + [f"cuflash::dq_accum_col({r}, {c}, 3)" for r in range(4) for c in (0, 8, 37)]
+    got = _kernel_constants("flash_bwd_sm90.cu", expr)
+    assert got[0] == config.DQ_SWIZZLE_SM90
+    assert got[1:] == [c ^ (8 * r) for r in range(4) for c in (0, 8, 37)]
+
+
 @pytest.mark.parametrize("tiles,key_blocks,sms,want", [
     (8, 2048, 132, 16),  # B=1, 8 kv heads, 131k keys: 128 blocks, within 95 % of 264 (two full rounds)
     (64, 512, 132, 2),  # B=8, 8 kv heads: 128 blocks

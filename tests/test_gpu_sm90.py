@@ -177,3 +177,23 @@ def test_cached_backward_plan_readdresses_its_tensor_maps(hopper):
     hopper.check("cached plan", "bfloat16", True, None, q, k, v, do, o, lse, *cached)
     # dQ's adds are atomic (their order varies); dK and dV are summed in registers: bitwise repeatable
     assert hopper.same_bits(cached[1], fresh[1]) == 0 and hopper.same_bits(cached[2], fresh[2]) == 0
+
+
+def test_backward_where_tma_refuses_runs_the_mma_kernel(hopper, monkeypatch):
+    """A layout the driver will not map (the refusal faked) sends the backward to flash_bwd, whose dQ accumulator
+    is not swizzled as flash_bwd_sm90's is: the postprocess must read it plainly, or dq fails the rule."""
+    from cuflash import _tma
+
+    (q, k, v, do), (o, lse, *_) = _training_step(hopper, "bfloat16", True, "sm90-bwd-refused", 2, 300, 300, 4, 2, 128)
+
+    def refuse(*args, **kwargs):
+        raise _tma.Unencodable("refused for the test")
+
+    monkeypatch.setattr(_tma, "SM90Params", refuse)
+    _plan.BACKWARD.clear()
+    try:
+        grads = cuflash.flash_attn_backward(do, q, k, v, o, lse, causal=True)
+        assert len(_plan.BACKWARD) == 1
+    finally:
+        _plan.BACKWARD.clear()
+    hopper.check("tma refused", "bfloat16", True, None, q, k, v, do, o, lse, *grads)

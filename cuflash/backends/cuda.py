@@ -16,7 +16,8 @@ import numpy as np
 from .. import _compile, _params, _tma
 from .._checks import check_batch, check_grid_heads
 from .._interop import gpu_status
-from ..config import choose_backward, choose_decode, choose_forward, ceil_div, decode_splits, forced_family
+from ..config import (DQ_SWIZZLE_SM90, ceil_div, choose_backward, choose_decode, choose_forward, decode_splits,
+                      forced_family)
 
 ON_DEVICE = True
 MIN_COMPUTE_CAPABILITY = 80  # mma.sync m16n8k16 with bf16 and cp.async need sm_80
@@ -154,6 +155,7 @@ def backward_launches(do, q, k, v, o, lse, dq, dk, dv, workspace, *, causal: boo
     main = cfgs[1]
     if main.family == "sm90":
         try:
+            p["dq_accum_swizzle"] = DQ_SWIZZLE_SM90
             boxes = {"q": main.block_m, "k": main.block_n, "v": main.block_n, "do": main.block_m}
             return TmaLaunches(_tma.SM90Params(_params.BWD_SM90_PARAMS, p, main.dtype, boxes),
                                [(cfg, grid(cfg)) for cfg in cfgs])
@@ -161,6 +163,7 @@ def backward_launches(do, q, k, v, o, lse, dq, dk, dv, workspace, *, causal: boo
             if forced_family() == "sm90":
                 raise
             cfgs = choose(family="mma")
+            p["dq_accum_swizzle"] = 0
     return Launches(p, [(cfg, grid(cfg)) for cfg in cfgs])
 
 

@@ -407,7 +407,8 @@ def make_flash_bwd_sm90(cfg):
         sD = cuda.shared.array((STAGES, BLOCK_M), ACC)
         # kDqOwnKeys: the dQ partials handed to the other consumer, two buffers (by it & 1) as sdS's
         sDqX = cuda.shared.array(DQX_SHAPE, ACC)
-        # the block's dQ tile (CUDA: fp32, rows of dq_accum_row_stride floats)
+        # the block's dQ tile (CUDA: fp32, rows of dq_accum_row_stride floats, their chunks of 8 columns swizzled
+        # as the accumulator's: backward.cuh's dq_accum_col, against bank conflicts)
         sDqAcc = cuda.shared.array((BLOCK_M, HEAD_DIM), ACC)
         bars = cuda.shared.array(N_BARS, int32)
 
