@@ -15,7 +15,7 @@ import traceback
 
 import numpy as np
 import pytest
-from conftest import simulator_results
+from conftest import pin_to_one_core, simulator_results
 
 
 def _xp(x):
@@ -406,6 +406,7 @@ def _sim_worker(out_path: str) -> None:
     from cuflash.config import KernelConfig
 
     assert nb._simulator(), "NUMBA_ENABLE_CUDASIM=1 must be set before numba is imported"
+    pin_to_one_core()
     arrays = {}
     for seed, (name, case) in enumerate(SIM_CASES.items()):
         b, sq, h, hk, d, cap, new, lens, causal, ps, dt, variants = case

@@ -2,8 +2,8 @@
 
 Simulator tests: Numba's CUDA simulator is chosen once per process, when numba.cuda is first imported,
 so the simulated runs happen in ONE subprocess started with NUMBA_ENABLE_CUDASIM=1 (this file run as a
-script, `--sim-worker OUT.npz`). It computes every case of SIM_CASES and VARIANT_CASES and saves
-inputs and outputs; the tests here compare SIM_CASES with cuflash.reference and VARIANT_CASES (window,
+script, `--sim-worker OUT.npz`), which forks a process per core. It computes every case of SIM_CASES,
+VARIANT_CASES, SM90_CASES and SM90_BWD_CASES and saves inputs and outputs; the tests here compare SIM_CASES with cuflash.reference and VARIANT_CASES (window,
 softcap, ALiBi, dropout, varlen) with the NumPy backend, which specifies the variants. The rest of the suite keeps whatever numba mode it
 had. Tiles are tiny (16 x 16, 1-2 warps): the simulator runs each thread as a Python thread. SM90_CASES run
 the Hopper forward's prototype (proto/flash_fwd_sm90.py, which the backend does not launch) at its smallest
@@ -17,15 +17,14 @@ the CUDA backend; they skip themselves where no GPU is visible or the simulator 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
-import time
-import traceback
 
 import numpy as np
 import pytest
-from conftest import simulator_results
+from conftest import run_simulator_jobs, simulator_results
 
 
 # name -> (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, dtype,
@@ -375,162 +374,150 @@ def _sm90_bwd_refusals() -> list[str]:
     return fails
 
 
-def _sim_worker(out_path: str) -> None:
+def _check(fails: list[str]) -> dict:
+    if fails:
+        raise AssertionError("\n".join(fails))
+    return {}
+
+
+def _sim_case(name, seed):
+    import dataclasses
+
+    from cuflash.backends import numba as nb
+    from cuflash.config import LOCAL, KernelConfig
+
+    b, sq, sk, h, hk, d, causal, dt, (cd, bm, bn, warps), bwd, layout = SIM_CASES[name]
+    q, k, v, do = _inputs(seed, b, sq, sk, h, hk, d, dt, layout)
+    scale = 1.0 / math.sqrt(d)
+    cfg = KernelConfig("flash_fwd", dt, cd, bm, bn, warps, LOCAL if causal else 0)
+    o, lse = nb._forward(q, k, v, causal=causal, softmax_scale=scale, cfg=cfg)
+    res = {"q": q, "k": k, "v": v, "do": do, "o": o, "lse": lse}
+    if bwd:
+        cfgs = tuple(dataclasses.replace(cfg, kernel=kn) for kn in BWD_KERNELS)
+        res["dq"], res["dk"], res["dv"] = nb._backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale,
+                                                       cfgs=cfgs)
+    return res
+
+
+def _variant_case(name, seed):
     import dataclasses
 
     from cuflash import _params
     from cuflash.backends import numba as nb
+    from cuflash.config import KernelConfig
+
+    b, sq, sk, h, hk, d, causal, dt, (cd, bm, bn, warps), _, varlen = VARIANT_CASES[name]
+    q, k, v, do, kw = _variant_inputs(seed, name)
+    scale = 1.0 / math.sqrt(d)
+    packed = None
+    if varlen is not None:
+        cu_q, cu_k = (np.array(c, dtype=np.int32) for c in varlen)
+        packed = (cu_q, cu_k, int(np.diff(cu_q).max()), int(np.diff(cu_k).max()))
+        q, k, v, do = (x[None] for x in (q, k, v, do))
+    cfg = KernelConfig("flash_fwd", dt, cd, bm, bn, warps, _params.variant(causal, packed, **kw))
+    cfgs = tuple(dataclasses.replace(cfg, kernel=kn) for kn in BWD_KERNELS)
+    o, lse = nb._forward(q, k, v, causal=causal, softmax_scale=scale, cfg=cfg, varlen=packed, **kw)
+    dq, dk, dv = nb._backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale, cfgs=cfgs, varlen=packed,
+                              **kw)
+    res = {"o": o, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+    return {key: x[0] for key, x in res.items()} if varlen is not None else res
+
+
+def _sm90_case(name, seed):
+    from cuflash import _params
+    from cuflash.config import KernelConfig
+
+    case = SM90_CASES[name]
+    b, sq, sk, h, hk, d, causal, dt, (cd, bm, bn, warps), stages, _ = case
+    q, k, v, _, kw = _variant_inputs(seed, _sm90_variant_case(case))
+    cfg = KernelConfig("flash_fwd_sm90", dt, cd, bm, bn, warps, _params.variant(causal, **kw))
+    o, lse = _sm90_forward(q, k, v, causal=causal, softmax_scale=1.0 / math.sqrt(d), cfg=cfg, stages=stages, **kw)
+    return {"o": o, "lse": lse}
+
+
+def _sm90_bwd_case(name, seed):
+    from cuflash import _params
     from cuflash.backends import numpy as npb
-    from cuflash.config import LOCAL, KernelConfig
+    from cuflash.config import KernelConfig
+
+    case = SM90_BWD_CASES[name]
+    b, sq, sk, h, hk, d, causal, dt, (cd, bm, bn, warps), _ = case
+    q, k, v, do, kw = _variant_inputs(seed, _sm90_bwd_variant_case(case))
+    scale = 1.0 / math.sqrt(d)
+    o, lse = npb.forward(q, k, v, causal=causal, softmax_scale=scale, **kw)
+    cfg = KernelConfig("flash_bwd_sm90", dt, cd, bm, bn, warps, _params.variant(causal, **kw))
+    det = bool(case[9].get("deterministic"))
+    run = lambda: _sm90_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale, cfg=cfg,  # noqa: E731
+                                 deterministic=det, **kw)
+    res = dict(zip(("dq", "dk", "dv", "semaphore"), run()))
+    if name == SM90_BWD_RERUN:
+        res["dq_rerun"] = run()[0]
+    return res
+
+
+def _deterministic_case():
+    import dataclasses
+
+    from cuflash import _params
+    from cuflash.backends import numba as nb
+    from cuflash.config import KernelConfig
+
+    b, sq, sk, h, hk, d, dt, (cd, bm, bn, warps), kw = DETERMINISTIC_CASE
+    q, k, v, do = _inputs(97, b, sq, sk, h, hk, d, dt)
+    scale = 1.0 / math.sqrt(d)
+    cfg = KernelConfig("flash_fwd", dt, cd, bm, bn, warps, _params.variant(False, **kw))
+    cfgs = tuple(dataclasses.replace(cfg, kernel=kn) for kn in BWD_KERNELS)
+    o, lse = nb._forward(q, k, v, causal=False, softmax_scale=scale, cfg=cfg, **kw)
+    res = dict(q=q, k=k, v=v, do=do)
+    for run, det in enumerate([False] + [True] * DETERMINISTIC_RUNS):
+        grads = nb._backward(do, q, k, v, o, lse, causal=False, softmax_scale=scale, cfgs=cfgs, deterministic=det,
+                             **kw)
+        res.update({f"{key}{run}": x for key, x in zip(("dq", "dk", "dv"), grads)})
+    return res
+
+
+def _api_varlen_case():
+    import cuflash.api as api
+
+    h, hk, d, dt, cu_q, cu_k, kw = API_VARLEN_CASE
+    cu_q, cu_k = np.array(cu_q, dtype=np.int32), np.array(cu_k, dtype=np.int32)
+    q, k, v, do = (x[0] for x in _inputs(98, 1, int(cu_q[-1]), int(cu_k[-1]), h, hk, d, dt))
+    mq, mk = int(np.diff(cu_q).max()), int(np.diff(cu_k).max())
+    o, lse = api.flash_attn_varlen_forward(q, k, v, cu_q, cu_k, mq, mk, backend="numba", **kw)
+    grads = api.flash_attn_varlen_backward(do, q, k, v, o, lse, cu_q, cu_k, mq, mk, backend="numba", **kw)
+    return dict(zip(OUTPUTS, (o, lse, *grads)))
+
+
+def _api_case():
+    """Through the public API, with the backend's own config choice."""
+    import cuflash.api as api
+
+    b, sq, sk, h, hk, d, causal, dt = API_CASE
+    q, k, v, do = _inputs(99, b, sq, sk, h, hk, d, dt)
+    o, lse = api.flash_attn_forward(q, k, v, causal=causal, backend="numba")
+    dq, dk, dv = api.flash_attn_backward(do, q, k, v, o, lse, causal=causal, backend="numba")
+    return dict(q=q, k=k, v=v, do=do, o=o, lse=lse, dq=dq, dk=dk, dv=dv)
+
+
+def _sim_jobs() -> dict:
+    """name -> a function returning the case's arrays (raising on failure); the seeds are the cases' places."""
+    jobs = {"mask": lambda: _check(_mask_failures()), "dropout": lambda: _check(_dropout_failures()),
+            "sm90_refusals": lambda: _check(_sm90_refusals()),
+            "sm90_bwd_refusals": lambda: _check(_sm90_bwd_refusals()),
+            "deterministic": _deterministic_case, "api_varlen": _api_varlen_case, "api": _api_case}
+    for first, cases, case in ((0, SIM_CASES, _sim_case), (100, VARIANT_CASES, _variant_case),
+                               (200, SM90_CASES, _sm90_case), (300, SM90_BWD_CASES, _sm90_bwd_case)):
+        jobs.update({name: functools.partial(case, name, seed) for seed, name in enumerate(cases, start=first)})
+    return jobs
+
+
+def _sim_worker(out_path: str) -> None:
+    from cuflash.backends import numba as nb
 
     assert nb._simulator(), "NUMBA_ENABLE_CUDASIM=1 must be set before numba is imported"
-    arrays, failures, timings = {}, {}, {}
-    failures["mask"] = "\n".join(_mask_failures())
-    failures["dropout"] = "\n".join(_dropout_failures())
-    for seed, (name, case) in enumerate(SIM_CASES.items()):
-        b, sq, sk, h, hk, d, causal, dt, (cd, bm, bn, warps), bwd, layout = case
-        t0 = time.perf_counter()
-        try:
-            q, k, v, do = _inputs(seed, b, sq, sk, h, hk, d, dt, layout)
-            scale = 1.0 / math.sqrt(d)
-            cfg = KernelConfig("flash_fwd", dt, cd, bm, bn, warps, LOCAL if causal else 0)
-            o, lse = nb._forward(q, k, v, causal=causal, softmax_scale=scale, cfg=cfg)
-            res = {"q": q, "k": k, "v": v, "do": do, "o": o, "lse": lse}
-            if bwd:
-                cfgs = tuple(dataclasses.replace(cfg, kernel=kn) for kn in
-                             BWD_KERNELS)
-                res["dq"], res["dk"], res["dv"] = nb._backward(do, q, k, v, o, lse, causal=causal,
-                                                               softmax_scale=scale, cfgs=cfgs)
-            for key, x in res.items():
-                # bf16 travels as its bit pattern (npz cannot hold ml_dtypes arrays)
-                arrays[f"{name}/{key}"] = x.view(np.uint16) if x.dtype.name == "bfloat16" else x
-            failures[name] = ""
-        except Exception:
-            failures[name] = traceback.format_exc()
-        timings[name] = time.perf_counter() - t0
-
-    for seed, (name, case) in enumerate(VARIANT_CASES.items(), start=100):
-        b, sq, sk, h, hk, d, causal, dt, (cd, bm, bn, warps), _, varlen = case
-        t0 = time.perf_counter()
-        try:
-            q, k, v, do, kw = _variant_inputs(seed, name)
-            scale = 1.0 / math.sqrt(d)
-            packed = None
-            if varlen is not None:
-                cu_q, cu_k = (np.array(c, dtype=np.int32) for c in varlen)
-                packed = (cu_q, cu_k, int(np.diff(cu_q).max()), int(np.diff(cu_k).max()))
-                q, k, v, do = (x[None] for x in (q, k, v, do))
-            cfg = KernelConfig("flash_fwd", dt, cd, bm, bn, warps, _params.variant(causal, packed, **kw))
-            cfgs = tuple(dataclasses.replace(cfg, kernel=kn) for kn in
-                         BWD_KERNELS)
-            o, lse = nb._forward(q, k, v, causal=causal, softmax_scale=scale, cfg=cfg, varlen=packed, **kw)
-            dq, dk, dv = nb._backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale, cfgs=cfgs,
-                                      varlen=packed, **kw)
-            res = {"o": o, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
-            if varlen is not None:
-                res = {key: x[0] for key, x in res.items()}
-            for key, x in res.items():
-                arrays[f"{name}/{key}"] = x
-            failures[name] = ""
-        except Exception:
-            failures[name] = traceback.format_exc()
-        timings[name] = time.perf_counter() - t0
-
-    failures["sm90_refusals"] = "\n".join(_sm90_refusals())
-    for seed, (name, case) in enumerate(SM90_CASES.items(), start=200):
-        b, sq, sk, h, hk, d, causal, dt, (cd, bm, bn, warps), stages, _ = case
-        t0 = time.perf_counter()
-        try:
-            q, k, v, _, kw = _variant_inputs(seed, _sm90_variant_case(case))
-            cfg = KernelConfig("flash_fwd_sm90", dt, cd, bm, bn, warps, _params.variant(causal, **kw))
-            o, lse = _sm90_forward(q, k, v, causal=causal, softmax_scale=1.0 / math.sqrt(d), cfg=cfg, stages=stages,
-                                   **kw)
-            arrays[f"{name}/o"], arrays[f"{name}/lse"] = o, lse
-            failures[name] = ""
-        except Exception:
-            failures[name] = traceback.format_exc()
-        timings[name] = time.perf_counter() - t0
-
-    failures["sm90_bwd_refusals"] = "\n".join(_sm90_bwd_refusals())
-    for seed, (name, case) in enumerate(SM90_BWD_CASES.items(), start=300):
-        b, sq, sk, h, hk, d, causal, dt, (cd, bm, bn, warps), _ = case
-        t0 = time.perf_counter()
-        try:
-            q, k, v, do, kw = _variant_inputs(seed, _sm90_bwd_variant_case(case))
-            scale = 1.0 / math.sqrt(d)
-            o, lse = npb.forward(q, k, v, causal=causal, softmax_scale=scale, **kw)
-            cfg = KernelConfig("flash_bwd_sm90", dt, cd, bm, bn, warps, _params.variant(causal, **kw))
-            det = bool(case[9].get("deterministic"))
-            grads = _sm90_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale, cfg=cfg,
-                                   deterministic=det, **kw)
-            for key, x in zip(("dq", "dk", "dv", "semaphore"), grads):
-                arrays[f"{name}/{key}"] = x
-            if name == SM90_BWD_RERUN:
-                arrays[f"{name}/dq_rerun"] = _sm90_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale,
-                                                            cfg=cfg, deterministic=det, **kw)[0]
-            failures[name] = ""
-        except Exception:
-            failures[name] = traceback.format_exc()
-        timings[name] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    try:
-        b, sq, sk, h, hk, d, dt, (cd, bm, bn, warps), kw = DETERMINISTIC_CASE
-        q, k, v, do = _inputs(97, b, sq, sk, h, hk, d, dt)
-        scale = 1.0 / math.sqrt(d)
-        cfg = KernelConfig("flash_fwd", dt, cd, bm, bn, warps, _params.variant(False, **kw))
-        cfgs = tuple(dataclasses.replace(cfg, kernel=kn) for kn in BWD_KERNELS)
-        o, lse = nb._forward(q, k, v, causal=False, softmax_scale=scale, cfg=cfg, **kw)
-        for key, x in dict(q=q, k=k, v=v, do=do).items():
-            arrays[f"deterministic/{key}"] = x
-        for run, det in enumerate([False] + [True] * DETERMINISTIC_RUNS):
-            grads = nb._backward(do, q, k, v, o, lse, causal=False, softmax_scale=scale, cfgs=cfgs,
-                                 deterministic=det, **kw)
-            for key, x in zip(("dq", "dk", "dv"), grads):
-                arrays[f"deterministic/{key}{run}"] = x
-        failures["deterministic"] = ""
-    except Exception:
-        failures["deterministic"] = traceback.format_exc()
-    timings["deterministic"] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    try:
-        import cuflash.api as api
-
-        h, hk, d, dt, cu_q, cu_k, kw = API_VARLEN_CASE
-        cu_q, cu_k = np.array(cu_q, dtype=np.int32), np.array(cu_k, dtype=np.int32)
-        q, k, v, do = (x[0] for x in _inputs(98, 1, int(cu_q[-1]), int(cu_k[-1]), h, hk, d, dt))
-        mq, mk = int(np.diff(cu_q).max()), int(np.diff(cu_k).max())
-        o, lse = api.flash_attn_varlen_forward(q, k, v, cu_q, cu_k, mq, mk, backend="numba", **kw)
-        grads = api.flash_attn_varlen_backward(do, q, k, v, o, lse, cu_q, cu_k, mq, mk, backend="numba", **kw)
-        for key, x in zip(OUTPUTS, (o, lse, *grads)):
-            arrays[f"api_varlen/{key}"] = x
-        failures["api_varlen"] = ""
-    except Exception:
-        failures["api_varlen"] = traceback.format_exc()
-    timings["api_varlen"] = time.perf_counter() - t0
-
-    # Through the public API, with the backend's own config choice.
-    t0 = time.perf_counter()
-    try:
-        import cuflash.api as api
-
-        b, sq, sk, h, hk, d, causal, dt = API_CASE
-        q, k, v, do = _inputs(99, b, sq, sk, h, hk, d, dt)
-        o, lse = api.flash_attn_forward(q, k, v, causal=causal, backend="numba")
-        dq, dk, dv = api.flash_attn_backward(do, q, k, v, o, lse, causal=causal, backend="numba")
-        for key, x in dict(q=q, k=k, v=v, do=do, o=o, lse=lse, dq=dq, dk=dk, dv=dv).items():
-            arrays[f"api/{key}"] = x
-        failures["api"] = ""
-    except Exception:
-        failures["api"] = traceback.format_exc()
-    timings["api"] = time.perf_counter() - t0
-
-    for name, msg in failures.items():
-        arrays[f"{name}/failure"] = np.array(msg)
-    for name, t in timings.items():
-        arrays[f"{name}/seconds"] = np.array(t)
-    np.savez(out_path, **arrays)
+    jobs = _sim_jobs()
+    # the Hopper prototypes' 384-thread cases, the slowest, first
+    run_simulator_jobs({name: jobs[name] for name in sorted(jobs, key=lambda n: not n.startswith("sm90"))}, out_path)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -539,8 +526,8 @@ def _sim_worker(out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def sim(tmp_path_factory):
-    # One worker runs every simulator case: 6.5 min on a 2-core machine beside another job, and a CI
-    # dry run's NVRTC 12 stage once took over 10 min. The limit only catches a hang.
+    # 75 s on a 2-core machine in the worker's two pinned processes (11.5 min in one process free to move
+    # between cores; over 30 min on CI's machine). The limit only catches a hang.
     return simulator_results(__file__, tmp_path_factory.mktemp("proto_sim"), timeout=1800)
 
 
