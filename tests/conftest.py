@@ -112,15 +112,22 @@ def simulator_results(script: str, out_dir, timeout: int) -> dict:
     with np.load(out) as z:
         return {key: z[key] for key in z.files}
 
+
 # The simulator's jobs, set in the worker before it forks (the pool's processes look them up by name).
 _SIM_JOBS: dict = {}
 
 
+def _cores() -> list[int]:
+    """The cores this process may run on (all of them where the OS cannot say: no affinity calls on macOS)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
 def pin_to_one_core(core: int | None = None) -> None:
-    """Keep this simulator process on one core (the first it may use where None): the simulator runs a Python
-    thread per CUDA thread, and with the GIL handed between cores a 384-thread case took 17 s to 409 s from run
-    to run, on one core 16 s."""
-    os.sched_setaffinity(0, {min(os.sched_getaffinity(0)) if core is None else core})
+    """Keep this simulator process on one core (the first it may use where None; nothing where the OS has no
+    affinity calls): the simulator runs a Python thread per CUDA thread, and with the GIL handed between cores a
+    384-thread case took 17 s to 409 s from run to run, on one core 16 s."""
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {_cores()[0] if core is None else core})
 
 
 def _pin_to_a_free_core(cores) -> None:
@@ -144,7 +151,7 @@ def run_simulator_jobs(jobs: dict, out_path: str) -> None:
 
     _SIM_JOBS.update(jobs)
     ctx = multiprocessing.get_context("fork")
-    cores = sorted(os.sched_getaffinity(0))
+    cores = _cores()
     free = ctx.Queue()
     for c in cores:
         free.put(c)
