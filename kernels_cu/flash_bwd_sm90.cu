@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
     auto do_empty = [&](int s) { return bars + 8u * (1 + 3 * kStages + s); };
 
     // [2] Block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
-    const int head_k = blockIdx.x, batch = blockIdx.y, n_block = blockIdx.z;
+    const int head_k = blockIdx.x, n_block = blockIdx.y, batch = blockIdx.z;
     const SeqInfo<false, false> seq(p.fwd, batch);
     const int key_begin = n_block * kBlockN;
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;

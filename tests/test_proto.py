@@ -316,7 +316,7 @@ def _sm90_backward(do, q, k, v, o, lse, *, causal, softmax_scale, cfg, determini
     q_, k_, v_, do_, o_, lse_ = (launcher.inp(x) for x in (q, k, v, do, o, lse))
     launcher.launch(make_flash_bwd_preprocess, pre, (-(-sq // 16), h, b), do_, o_, dsum, dq_accum, semaphore,
                     var[0], var[1])
-    launcher.launch(make_flash_bwd_sm90, cfg, (hk, b, -(-k.shape[1] // cfg.block_n)), q_, k_, v_, do_, lse_, dsum,
+    launcher.launch(make_flash_bwd_sm90, cfg, (hk, -(-k.shape[1] // cfg.block_n), b), q_, k_, v_, do_, lse_, dsum,
                     dk, dv, dq_accum, semaphore, scale, scale_log2, *var)
     launcher.launch(make_flash_bwd_postprocess, post, (-(-sq // 16), h, b), dq_accum, dq, scale, var[0], var[1])
     return (*(nb._finish(None, x, q.dtype) for x in (dq, dk, dv)), semaphore)

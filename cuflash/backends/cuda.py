@@ -146,8 +146,8 @@ def backward_launches(do, q, k, v, o, lse, dq, dk, dv, workspace, *, causal: boo
     cfgs = choose(compute_capability=compute_capability(), family=forced_family())
 
     def grid(cfg):
-        if cfg.kernel in ("flash_bwd", "flash_bwd_sm90"):  # key blocks slowest (flash_bwd.cu; reversed when deterministic)
-            return hk, b, ceil_div(sk, cfg.block_n)
+        if cfg.kernel in ("flash_bwd", "flash_bwd_sm90"):  # batch by batch, key blocks slowest within (flash_bwd.cu)
+            return hk, ceil_div(sk, cfg.block_n), b
         if cfg.kernel == "flash_bwd_dkdv_simt":
             return ceil_div(sk, cfg.block_n), hk, b
         return ceil_div(sq, cfg.block_m), h, b

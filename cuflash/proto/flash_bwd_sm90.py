@@ -6,7 +6,7 @@ block_n (64 keys per consumer warpgroup), warps (4 per warpgroup: 4 * (1 + block
 and the accumulator type are closure constants. It runs between flash_bwd.py's preprocess and postprocess
 (D, the zeroed dq_accum; dQ = dq_accum * softmax_scale), with make_flash_bwd's arguments and grid:
 
-    grid (nheads_k, batch, ceil(seqlen_k / block_n)), block (warps * 32,)
+    grid (nheads_k, ceil(seqlen_k / block_n), batch), block (warps * 32,)
     kernel[grid, block](q, k, v, do, lse, dsum, dk, dv, dq_accum, semaphore, softmax_scale, scale_log2,
                         *variant_args)
 
@@ -151,8 +151,8 @@ def make_flash_bwd_sm90(cfg):
     def block_coordinates(q, k, cu_seqlens_q, cu_seqlens_k, window_left, window_right):
         # [2] Block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
         head_k = cuda.blockIdx.x
-        batch = cuda.blockIdx.y
-        n_block = cuda.blockIdx.z
+        n_block = cuda.blockIdx.y
+        batch = cuda.blockIdx.z
         _, _, seqlen_q, seqlen_k = seq_info(False, cu_seqlens_q, cu_seqlens_k, batch, q.shape[1], k.shape[1])
         group = q.shape[2] // k.shape[2]
         m_block_first, m_block_end = m_block_range(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k,
@@ -359,7 +359,7 @@ def make_flash_bwd_sm90(cfg):
             head, m_block, turn = tile_turn(it, head_k, group, m_block_first, m_block_end, n_block, seqlen_q, seqlen_k,
                                             window_left, window_right)
             # An atomic read (CUDA: load_acquire; a plain load could be hoisted out of the loop). Under the
-            # simulator blocks run one after another, np.ndindex order over (nheads_k, batch, n_blocks): key
+            # simulator blocks run one after another, np.ndindex order over (nheads_k, n_blocks, batch): key
             # blocks of a kv head from first to last, so the turns waited for have all been given by now; one
             # that has not would never come (a broken order): raise rather than hang.
             while cuda.atomic.add(semaphore, (batch, head, m_block), 0) != turn:
