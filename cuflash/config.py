@@ -74,10 +74,14 @@ WINDOW = 32  # with LOCAL: a sliding window, both bounds read at run time (LOCAL
 SEQUSED = 64  # KV cache: entry b has seqused_k[b] keys (clamped to the cache), not the array's extent
 PAGED = 128  # KV cache in pages: key row j of entry b through block_table (forward only)
 DETERMINISTIC = 256  # backward: the adds into each dQ tile in key-block order (semaphores), not as they come
+# flash_bwd_sm90 on a small grid: each key block's query blocks split between the two blocks of a cluster
+# (choose_backward sets it; not with DETERMINISTIC)
+QUERY_SPLIT = 512
 FORWARD_ONLY = SEQUSED | PAGED  # the KV-cache entry point has no backward: choose_backward drops them
-BACKWARD_ONLY = DETERMINISTIC  # choose_forward drops it
+BACKWARD_ONLY = DETERMINISTIC | QUERY_SPLIT  # choose_forward drops them
 VARIANT_NAMES = {LOCAL: "local", SOFTCAP: "softcap", ALIBI: "alibi", DROPOUT: "dropout", VARLEN: "varlen",
-                 WINDOW: "window", SEQUSED: "seqused", PAGED: "paged", DETERMINISTIC: "deterministic"}
+                 WINDOW: "window", SEQUSED: "seqused", PAGED: "paged", DETERMINISTIC: "deterministic",
+                 QUERY_SPLIT: "query_split"}
 ALL_VARIANTS = LOCAL | SOFTCAP | ALIBI | DROPOUT | VARLEN | WINDOW | DETERMINISTIC
 
 
@@ -104,7 +108,8 @@ class KernelConfig:
     block_m: int  # query rows per tile
     block_n: int  # key rows per tile; 0 where the kernel takes none
     warps: int
-    variant: int  # kVariant: a sum of LOCAL, SOFTCAP, ALIBI, DROPOUT, VARLEN, WINDOW, SEQUSED, PAGED, DETERMINISTIC
+    variant: int  # kVariant: a sum of LOCAL, SOFTCAP, ALIBI, DROPOUT, VARLEN, WINDOW, SEQUSED, PAGED, DETERMINISTIC,
+    # QUERY_SPLIT
 
     @property
     def source(self) -> str:
@@ -225,12 +230,12 @@ def smem_bytes(cfg: KernelConfig) -> int:
         return 0
     if cfg.kernel == "flash_bwd_sm90":
         # Sm90BwdSmem: slack, K, V, 2 stages of Q and dO, 2 dS, LSE and D, sDqAcc, d = 64's 2 sDqX, exp2's
-        # scale, mbarriers
+        # scale, mbarriers (QUERY_SPLIT's two among them)
         stages = 2
         dq_acc = bm * d * 4
         dq_exchange = 2 * 2 * 2 * 32 * 32 * 4 if bm * d == 64 * 64 else 0
         return (1024 + (2 * bn * d + 2 * stages * bm * d + 2 * bm * bn) * e + 2 * stages * bm * 4 + dq_acc
-                + dq_exchange + 8 + 8 * (1 + 4 * stages))
+                + dq_exchange + 8 + 8 * (3 + 4 * stages))
     if cfg.kernel == "flash_bwd":  # K, V tiles; dS^T tile (and P^T when warps share keys); per stage Q, dO, LSE, D
         warps_sharing_keys = cfg.warps // (bn // 16)  # kWM in flash_bwd.cu
         fixed = 2 * bn * row * e + (2 if warps_sharing_keys > 1 else 1) * bn * (bm + pad) * e
@@ -333,11 +338,11 @@ def choose_backward(dtype, head_dim: int, variant: int, *, key_slabs: int = 0, s
     fp16 / bf16: (flash_bwd_preprocess, flash_bwd, flash_bwd_postprocess): D and a zeroed fp32 dQ
     accumulator; one pass over key blocks (dK, dV, and dQ added into the accumulator); dQ converted. On
     compute capability 9.0 the middle one is flash_bwd_sm90, except for what it does not serve
-    (sm90_serves_backward); family as for choose_forward.
+    (sm90_serves_backward), with QUERY_SPLIT where query_split says so; family as for choose_forward.
     fp32 / fp64: (flash_bwd_preprocess, flash_bwd_dkdv_simt, flash_bwd_dq_simt): dQ in a kernel of its own,
     deterministic without DETERMINISTIC (which they drop)."""
     dt = dtype_name(dtype)
-    variant &= ~FORWARD_ONLY
+    variant &= ~(FORWARD_ONLY | QUERY_SPLIT)  # the latter is this function's to set
     pre = _per_row("flash_bwd_preprocess", dt, variant)  # D = rowsum(dO * O): any head_dim, dense or varlen
     if dt not in TENSOR_CORE_DTYPES:
         variant &= ~DETERMINISTIC
@@ -349,7 +354,11 @@ def choose_backward(dtype, head_dim: int, variant: int, *, key_slabs: int = 0, s
                          + ("it needs compute capability 9.0" if compute_capability != 90
                             else "varlen and head dims over 128 run on the mma family"))
     if hopper and family != "mma":
-        return pre, _make("flash_bwd_sm90", dt, head_dim, variant), post
+        main = _make("flash_bwd_sm90", dt, head_dim, variant)
+        if sms and not variant & DETERMINISTIC and query_split(main, key_slabs * ceil_div(seqlen_k, main.block_n),
+                                                               sms):
+            main = dataclasses.replace(main, variant=variant | QUERY_SPLIT)
+        return pre, main, post
     main = _make("flash_bwd", dt, head_dim, variant)
     small = _TILES_SMALL_GRID["flash_bwd"].get(main.head_dim)
     if small and not variant & HEAVY and key_slabs * ceil_div(seqlen_k, main.block_n) < sms // 2:
@@ -363,6 +372,14 @@ SM90_UNSERVED = VARLEN | SEQUSED | PAGED
 # flash_bwd_sm90 serves what flash_fwd_sm90 does (the softcap's derivative recovered from P at [7]: a tile of
 # it kept from [5] spilled at d = 128).
 SM90_BWD_UNSERVED = SM90_UNSERVED
+
+
+def query_split(cfg: KernelConfig, blocks: int, sms: int) -> bool:
+    """Does flash_bwd_sm90's grid of `blocks` key blocks run faster with each split over a cluster of two
+    (QUERY_SPLIT)? Under a causal mask alone the first key blocks visit every query block: halving them halves
+    the grid's longest path, where the blocks fit one wave. Otherwise (a sliding window's blocks are alike too)
+    twice as many only help where they still fit one wave (sms / 2 clusters: the H200's 132 SMs pair up)."""
+    return 2 * blocks <= sms or ((cfg.variant & (LOCAL | WINDOW)) == LOCAL and blocks <= sms)
 
 
 def sm90_serves_backward(head_dim: int, variant: int) -> bool:
@@ -488,8 +505,8 @@ GATED_DECODE_VARIANTS = (SEQUSED, SEQUSED | PAGED, KVCACHE_VARIANTS & ~(ALIBI | 
 def all_configs() -> list[KernelConfig]:
     """The configs the compile gate checks and `cuflash compile` builds (GATED_VARIANTS, with the backward's
     small-grid tiles, and GATED_FORWARD_VARIANTS for the forward, GATED_DECODE_VARIANTS for flash_decode (with
-    its combine); the Hopper kernels' for GATED_VARIANTS,
-    ALL_VARIANTS less what it does not serve)."""
+    its combine); the Hopper kernels' for GATED_VARIANTS, ALL_VARIANTS less what they do not serve, and the
+    backward's QUERY_SPLIT plain, causal and with every variant but DETERMINISTIC)."""
     out: list[KernelConfig] = []
     for dt in DTYPES:
         for d in HEAD_DIMS:
@@ -504,5 +521,7 @@ def all_configs() -> list[KernelConfig]:
             bwd_all = ALL_VARIANTS & ~SM90_BWD_UNSERVED
             hopper += [choose_backward(dt, d, v, compute_capability=90)[1]
                        for v in (0, LOCAL, bwd_all)]
+            hopper += [choose_backward(dt, d, v, compute_capability=90, key_slabs=1, seqlen_k=1, sms=1 << 20)[1]
+                       for v in (0, LOCAL, bwd_all & ~DETERMINISTIC)]  # QUERY_SPLIT
             out.extend(c for c in hopper if c not in out)
     return out

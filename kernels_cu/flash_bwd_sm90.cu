@@ -21,6 +21,10 @@
 //   kDeterministic: the adds into each dQ tile come in a fixed order of key blocks (first to last, the launch
 //     order; query blocks visited last to first), each tile's turn kept by a semaphore (backward.cuh) that
 //     producer warp 3, the turn warp, waits for and hands on once the dQ warp's adds have completed.
+//   kQuerySplit (a grid too small for the GPU; not with kDeterministic): the two blocks of a cluster share the key
+//     block, rank 0 taking the first half of its query blocks and rank 1 the rest (under a causal mask the first
+//     key blocks' pairs, the grid's longest path, take half as long); at the end rank 0 puts its dK and dV into
+//     its shared memory and rank 1 adds them to its own through the cluster's shared memory and stores.
 // Accumulators are in the mma.sync C layout per warp (wgmma.cuh), so masks, score modifiers and dropout are
 // flash_bwd's (for_each_score_t, for_each_keep_t).
 //
@@ -29,8 +33,9 @@
 //   [64 keys] (one written while the other may still be read); kStages x LSE offsets and D [kBlockM floats];
 //   sDqAcc [kBlockM rows][dq_accum_row_stride <= kHeadDim floats]; d = 64: two sDqX (as sdS) [from consumer]
 //   [warp % 2][32 floats][32 lanes]; exp2's scale (a float);
-//   mbarriers kv_full, q_full[kStages], do_full[kStages], q_empty[kStages], do_empty[kStages]. config.smem_bytes
-//   mirrors it.
+//   mbarriers kv_full, q_full[kStages], do_full[kStages], q_empty[kStages], do_empty[kStages], (kQuerySplit)
+//   partial_full, partial_read. config.smem_bytes mirrors it. kQuerySplit: rank 0's dK, dV partials, at the end,
+//   over sK, sV, sQ and sdO.
 //
 // Serves dense batches (config.choose_backward sends varlen to flash_bwd).
 #include "params.cuh"
@@ -60,11 +65,12 @@ struct Sm90BwdSmem {  // byte offsets from the 1024-aligned base
     static constexpr unsigned kDqX = kDqAcc + kBlockM * kHeadDim * 4;
     static constexpr unsigned kScale = kDqX + (kDqOwnKeys ? 2 * 2 * 2 * 32 * 32 * 4 : 0);
     static constexpr unsigned kBarriers = kScale + 8;
-    static constexpr unsigned kBytes = 1024 + kBarriers + 8 * (1 + 4 * kStages);
+    static constexpr unsigned kBytes = 1024 + kBarriers + 8 * (3 + 4 * kStages);
 };
 
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kVariant>
-__global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_constant__ BwdSm90Params params) {
+__global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launch_bounds__(kNWarps * 32, 1)
+    flash_bwd_sm90(const __grid_constant__ BwdSm90Params params) {
     static_assert(sizeof(T) == 2, "tensor-core kernel: __half or __nv_bfloat16");
     static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0, "whole 128-byte swizzle slabs of 64 columns");
     constexpr int kConsumers = kNWarps / 4 - 1;
@@ -77,6 +83,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
     static_assert(!kDqOwnKeys || kConsumers == 2, "d = 64: the partials of two consumers, half the rows each");
     static_assert((kVariant & (kVarlen | kSeqused | kPaged)) == 0, "dense batches: TMA boxes over whole arrays");
     constexpr bool kIsDeterministic = (kVariant & kDeterministic) != 0;
+    constexpr bool kIsQuerySplit = (kVariant & kQuerySplit) != 0;
+    static_assert(!(kIsQuerySplit && kIsDeterministic), "the turns count key blocks, not halves of them");
     constexpr int kStages = 2;
     using Smem = Sm90BwdSmem<kHeadDim, kBlockM, kBlockN, kStages>;
     static_assert(Smem::kDqOwnKeys == kDqOwnKeys, "Sm90BwdSmem's sDqX");
@@ -123,9 +131,12 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
     auto do_full = [&](int s) { return bars + 8u * (1 + kStages + s); };
     auto q_empty = [&](int s) { return bars + 8u * (1 + 2 * kStages + s); };
     auto do_empty = [&](int s) { return bars + 8u * (1 + 3 * kStages + s); };
+    // kQuerySplit: rank 0's partials are in (rank 1's barrier), rank 1 has read them (rank 0's)
+    const unsigned partial_full = bars + 8u * (1 + 4 * kStages), partial_read = partial_full + 8u;
 
     // [2] Block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
-    const int head_k = blockIdx.x, n_block = blockIdx.y, batch = blockIdx.z;
+    // (kQuerySplit: x = 2 head_k + the block's rank in its cluster, and each rank takes a half of them)
+    const int head_k = kIsQuerySplit ? blockIdx.x / 2 : blockIdx.x, n_block = blockIdx.y, batch = blockIdx.z;
     const SeqInfo<false, false> seq(p.fwd, batch);
     const int key_begin = n_block * kBlockN;
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
@@ -133,6 +144,10 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
     const Mask<kVariant> mask(p.fwd, seqlen_q, seqlen_k);
     int m_block_first, m_block_end;
     mask.template m_block_range<kBlockM, kBlockN>(n_block, m_block_first, m_block_end);
+    if constexpr (kIsQuerySplit) {
+        const int mid = m_block_first + (max(m_block_end - m_block_first, 0) + 1) / 2;
+        (cluster_rank() == 0 ? m_block_end : m_block_first) = mid;
+    }
     // The (query head, query block) pairs, in backward_pair's order
     const int n_m = max(m_block_end - m_block_first, 0), n_it = group * n_m;
     auto pair = [&](int it, int& head, int& m_block) {
@@ -149,10 +164,13 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
             mbarrier_init(q_empty(s), 128 * kConsumers);  // every consumer thread: each has read LSE and D
             mbarrier_init(do_empty(s), 4 * kConsumers);   // lane 0 of every consumer warp (dO: wgmma's reads)
         }
+        mbarrier_init(partial_full, 128 * kConsumers);  // kQuerySplit: every consumer thread of the other block
+        mbarrier_init(partial_read, 128 * kConsumers);
         fence_barrier_init();
         *sScaleLog2 = Mod(p.fwd, batch, head_k * group, mask.shift).score_log2(p.fwd);  // the same for every head
     }
     __syncthreads();
+    if constexpr (kIsQuerySplit) cluster_sync();  // the other block's barriers are initialized
 
     if (warpgroup == 0) {
         // [3] Producer: K and V, then the Q, dO tiles (TMA) and LSE, D rows of each query block into a free stage
@@ -478,6 +496,40 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_sm90(const __grid_c
     // [10] Store dK * softmax_scale and dV
     // Through this consumer's rows of sK and sV, once every consumer's last dQ (which reads sK) has completed
     named_barrier_sync(kDsReady, 128 * kConsumers);
+    if constexpr (kIsQuerySplit) {
+        // Rank 0's accumulators into its sK .. sdO (no wgmma reads them any more), 8 bytes per thread in turn
+        // (a warp's 256 contiguous bytes: no bank conflicts); rank 1 adds them to its own, read from there
+        static_assert(128 * kConsumers * 4 * kNTilesD * 8 <= Smem::kdSs, "the partials fit over sK .. sdO");
+        const unsigned partial = sK + (threadIdx.x - 128) * 8;  // consumer threads from 0
+        constexpr unsigned kStride = 128 * kConsumers * 8;  // bytes from one pair of a thread's floats to its next
+        if (cluster_rank() == 0) {
+#pragma unroll
+            for (int nd = 0; nd < kNTilesD; ++nd)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const unsigned at = partial + (4 * nd + h) * kStride;
+                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(at), "f"(acc_dk[nd][2 * h]),
+                                 "f"(acc_dk[nd][2 * h + 1]) : "memory");
+                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(at + 2 * kStride), "f"(acc_dv[nd][2 * h]),
+                                 "f"(acc_dv[nd][2 * h + 1]) : "memory");
+                }
+            mbarrier_arrive_remote(cluster_map(partial_full, 1));
+            mbarrier_wait_cluster(partial_read, 0);  // rank 1 has read them: this block's shared memory may go
+            return;
+        }
+        mbarrier_wait_cluster(partial_full, 0);
+        const unsigned remote = cluster_map(partial, 0);
+#pragma unroll
+        for (int nd = 0; nd < kNTilesD; ++nd)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float2 k2 = ld_cluster_f32x2(remote + (4 * nd + h) * kStride);
+                const float2 v2 = ld_cluster_f32x2(remote + (4 * nd + h + 2) * kStride);
+                acc_dk[nd][2 * h] += k2.x, acc_dk[nd][2 * h + 1] += k2.y;
+                acc_dv[nd][2 * h] += v2.x, acc_dv[nd][2 * h + 1] += v2.y;
+            }
+        mbarrier_arrive_remote(cluster_map(partial_read, 0));
+    }
     const float dk_scale = static_cast<float>(p.fwd.softmax_scale);
     const float dv_scale = kIsDropout ? static_cast<float>(p.fwd.dropout_scale) : 1.f;
 #pragma unroll

@@ -22,7 +22,8 @@
 
 namespace cuflash {
 
-// kVariant bits (cuflash/config.py: LOCAL, SOFTCAP, ALIBI, DROPOUT, VARLEN, WINDOW, SEQUSED, PAGED).
+// kVariant bits (cuflash/config.py: LOCAL, SOFTCAP, ALIBI, DROPOUT, VARLEN, WINDOW, SEQUSED, PAGED,
+// DETERMINISTIC, QUERY_SPLIT).
 constexpr int kLocal = 1;
 constexpr int kSoftcap = 2;
 constexpr int kAlibi = 4;
@@ -32,6 +33,7 @@ constexpr int kWindow = 32;  // with kLocal: a sliding window, its bounds from t
 constexpr int kSeqused = 64;  // KV cache: key counts from seqused_k (seqinfo.cuh)
 constexpr int kPaged = 128;   // KV cache in pages: key rows through block_table (seqinfo.cuh KeyRows)
 constexpr int kDeterministic = 256;  // backward: dQ tiles summed in key-block order (flash_bwd.cu)
+constexpr int kQuerySplit = 512;  // flash_bwd_sm90: a key block's query blocks split over a cluster of two
 
 // A window bound of -1 (unbounded) as the params hold it (cuflash/_params.py writes it): far enough
 // that no row + shift + bound overflows.

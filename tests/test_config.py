@@ -97,7 +97,9 @@ def test_template_names_match_the_kernels_template_parameters():
     (T -> dtype, kHeadDim -> head_dim, ...), and template_name gives one argument per parameter."""
     fields = {"T": "dtype", "kHeadDim": "head_dim", "kBlockM": "block_m", "kBlockN": "block_n",
               "kNWarps": "warps", "kVariant": "variant"}
-    kernel_re = re.compile(r"template <([^>]*)>\s*__global__ void __launch_bounds__\((?:[^()]|\([^()]*\))*\)\s*(\w+)\(")
+    args = r"\((?:[^()]|\([^()]*\))*\)"  # an attribute's arguments, one level of parentheses inside
+    kernel_re = re.compile(rf"template <([^>]*)>\s*__global__ void (?:__cluster_dims__{args}\s*)?__launch_bounds__{args}"
+                           r"\s*(\w+)\(")
     found = {}
     for source in set(config.SOURCES.values()):
         for params, name in kernel_re.findall((_compile.kernels_dir() / source).read_text()):
@@ -180,6 +182,27 @@ def test_hopper_backward_choice():
         assert c.smem_bytes <= config.SMEM_LIMIT[90]
 
 
+def test_small_hopper_backward_grids_split_query_blocks():
+    """QUERY_SPLIT where flash_bwd_sm90's grid fits one wave twice over, or once under a causal mask (whose first
+    key blocks visit every query block: the longest path halves); never deterministic, never a larger grid."""
+    def main(v=0, blocks=1, **kw):  # blocks: batch * nheads_k * key blocks of 128
+        return config.choose_backward("bfloat16", 128, v, key_slabs=blocks, seqlen_k=128, sms=132,
+                                      compute_capability=90, **kw)[1]
+
+    split = lambda c: bool(c.variant & config.QUERY_SPLIT)  # noqa: E731
+    assert split(main(blocks=66)) and not split(main(blocks=67))
+    assert split(main(config.LOCAL, blocks=132)) and not split(main(config.LOCAL, blocks=133))
+    assert split(main(config.LOCAL | config.SOFTCAP | config.DROPOUT, blocks=8))
+    # a sliding window's blocks are alike: split only where twice as many fit one wave
+    assert split(main(config.LOCAL | config.WINDOW, blocks=66))
+    assert not split(main(config.LOCAL | config.WINDOW, blocks=100))
+    assert not split(main(config.QUERY_SPLIT, blocks=1000))  # a caller's bit is dropped
+    assert not split(main(config.DETERMINISTIC, blocks=8)) and not split(main(config.LOCAL | config.DETERMINISTIC))
+    assert not split(config.choose_backward("bfloat16", 128, 0, compute_capability=90)[1])  # no grid given
+    assert main(family="mma", blocks=8).kernel == "flash_bwd"
+    assert config.choose_forward("bfloat16", 128, config.QUERY_SPLIT, compute_capability=90).variant == 0
+
+
 def test_longest_first_is_causal_alone():
     """The forward and dQ grids run query blocks last to first only for a causal mask (mask.cuh
     query_block): a window's blocks are alike, and the heavy variants have no registers to spare."""
@@ -221,13 +244,15 @@ def test_decode_choice():
 
 def _kernel_constants(filename: str, exprs: list[str]) -> list[int]:
     """The values of constant expressions in kernels_cu/<filename>'s scope, read back from a probe kernel
-    compiled with the file's source (NVRTC, to PTX)."""
+    compiled with the file's source (NVRTC, to PTX; the Hopper kernels' for compute_90a, the target of their
+    __cluster_dims__)."""
     pytest.importorskip("cuda.bindings")
     from test_params import _ptx
 
     body = "\n".join(f"    out[{i}] = {e};" for i, e in enumerate(exprs))
     src = _compile.source_text(filename) + f"\n__global__ void probe(volatile int* out) {{\n{body}\n}}\n"
-    ptx = _ptx(src, *(f"-I{d}" for d in _compile._cuda_include_dirs()))
+    ptx = _ptx(src, *(f"-I{d}" for d in _compile._cuda_include_dirs()),
+               arch="compute_90a" if filename.endswith("_sm90.cu") else "compute_80")
     regs = dict(re.findall(r"mov\.u32\s+(%r\d+),\s*(\d+);", ptx))
     got = {int(off or 0) // 4: int(regs.get(v, v)) for off, v in
            re.findall(r"st\.volatile\.global\.u32\s+\[%rd\d+(?:\+(\d+))?\],\s*(%r\d+|\d+);", ptx)}

@@ -163,6 +163,33 @@ def test_deterministic_backward_is_bitwise_repeatable(hopper, family, d, causal)
                 assert hopper.same_bits(x, y) == 0, f"{name} differs at call {call + 2}"
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "whole"])
+def test_small_backward_grids_split_over_clusters(hopper, monkeypatch, d, causal, split):
+    """A grid too small for the GPU runs flash_bwd_sm90 with QUERY_SPLIT (clusters of two blocks, rank 0's dK and
+    dV added into rank 1's through the cluster's shared memory): by the rule against the float64 reference, with
+    GQA, rows that see no key (causal, seqlen_q > seqlen_k), 7 query blocks (full: 4 and 3), and key blocks whose
+    rank 1 has no pair (seqlen_q of one query block); dK and dV bitwise repeatable. "whole": the same shapes with
+    config.query_split refusing, the kernel larger grids run (small shapes elsewhere in the suite split)."""
+    if not split:
+        monkeypatch.setattr(config, "query_split", lambda *args: False)
+    for b, sq, sk in ((1, 397, 300), (2, 50, 200)):
+        (q, k, v, do), (o, lse, *_) = _training_step(hopper, "bfloat16", causal, f"sm90-split-{d}-{causal}-{sq}", b,
+                                                     sq, sk, 4, 2, d)
+        _plan.BACKWARD.clear()
+        first = cuflash.flash_attn_backward(do, q, k, v, o, lse, causal=causal)
+        (plan,) = _plan.BACKWARD.values()
+        # Launches.kernels: (function, grid x, y, z, threads, shared memory) of the pre-, main and postprocess;
+        # x: two blocks per kv head with QUERY_SPLIT
+        assert plan.launches.kernels[1][1] == 2 * (2 if split else 1)
+        hopper.check(f"query split={split} d={d} causal={causal} sq={sq}", "bfloat16", causal, None, q, k, v, do, o,
+                     lse, *first)
+        again = cuflash.flash_attn_backward(do, q, k, v, o, lse, causal=causal)
+        assert hopper.same_bits(first[1], again[1]) == 0 and hopper.same_bits(first[2], again[2]) == 0
+    _plan.BACKWARD.clear()
+
+
 def test_cached_backward_plan_readdresses_its_tensor_maps(hopper):
     """As for the forward: a backward plan made on one set of arrays runs another (q, k, v and dout maps)."""
     (q1, k1, v1, do1), (o1, lse1, *_) = _training_step(hopper, "bfloat16", True, "sm90-bwd-plan-a", 2, 300, 300, 4,

@@ -18,13 +18,13 @@ def _fields(struct: str, dtype, prefix: str = "") -> list[tuple[str, int]]:
     return out
 
 
-def _ptx(src: str, *options: str) -> str:
-    """PTX of src (compute_80), options added to NVRTC's."""
+def _ptx(src: str, *options: str, arch: str = "compute_80") -> str:
+    """PTX of src (for arch), options added to NVRTC's."""
     from cuda.bindings import nvrtc
 
     prog = _compile._check(nvrtc.nvrtcCreateProgram(src.encode(), b"probe.cu", 0, [], []))
     try:
-        opts = [b"-arch=compute_80", b"-std=c++17", *(o.encode() for o in options)]
+        opts = [f"-arch={arch}".encode(), b"-std=c++17", *(o.encode() for o in options)]
         err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         size = _compile._check(nvrtc.nvrtcGetProgramLogSize(prog))
         log = b" " * size

@@ -95,7 +95,8 @@ SM90_CASES = {
 # dim 64 one in all (each consumer's partial over its own keys, summed through sDqX, each consumer writing half
 # the rows), at 128 a tile each, over all keys. O and LSE from the NumPy backend; plain cases against
 # cuflash.reference, those with variants against the NumPy backend. "deterministic": True (not a backend
-# variant: _sm90_backward takes it) sets DETERMINISTIC, the turn warp's order of the dQ warp's adds.
+# variant: _sm90_backward takes it) sets DETERMINISTIC, the turn warp's order of the dQ warp's adds;
+# "query_split": True likewise QUERY_SPLIT, each key block's query blocks split over two blocks.
 SM90_BWD_CASES = {
     # 2 query heads x 2 query blocks: each stage of the ring is used twice (the producer waits on q_empty,
     # do_empty); rows 0 .. 39 see no key
@@ -117,6 +118,16 @@ SM90_BWD_CASES = {
     # the softcap at cfg head dim 128 (its derivative recovered from P), GQA, rows past seqlen_q (P = 0)
     "sm90_bwd_f32_d100_softcap_alibi_gqa": (1, 90, 120, 2, 1, 100, True, "float32", (128, 64, 128, 12),
                                             {"softcap": 1.5, "alibi": (2,)}),
+    # QUERY_SPLIT: key block 0 visits query blocks 0 .. 3 (ranks 0, 1 take 0 .. 1, 2 .. 3), key block 1 blocks 2, 3;
+    # x GQA's two query heads; rows 0 .. 49 see no key
+    "sm90_bwd_f32_query_split_causal_gqa": (1, 200, 150, 2, 1, 64, True, "float32", (64, 64, 128, 12),
+                                            {"query_split": True}),
+    # one query block: rank 1 has no pair and stores rank 0's dK, dV alone
+    "sm90_bwd_f32_d96_query_split_one_block": (1, 60, 100, 1, 1, 96, False, "float32", (128, 64, 128, 12),
+                                               {"query_split": True}),
+    # a window: key block 0 is outside every row's (both ranks without pairs: dK = dV = 0), key block 1 split
+    "sm90_bwd_f32_query_split_window_empty_key_block": (1, 90, 260, 1, 1, 64, True, "float32",
+                                                        (64, 64, 128, 12), {"window": (40, -1), "query_split": True}),
 }
 
 # run twice: the deterministic dq bitwise the same
@@ -241,10 +252,10 @@ def _sm90_variant_case(case):
 
 
 def _sm90_bwd_variant_case(case):
-    """A SM90_BWD_CASES entry as a VARIANT_CASES one (dense, without "deterministic"), for _variant_inputs and
-    _numpy_backend."""
+    """A SM90_BWD_CASES entry as a VARIANT_CASES one (dense, without "deterministic" and "query_split"), for
+    _variant_inputs and _numpy_backend."""
     b, sq, sk, h, hk, d, causal, dt, tile, variants = case
-    variants = {key: x for key, x in variants.items() if key != "deterministic"}
+    variants = {key: x for key, x in variants.items() if key not in ("deterministic", "query_split")}
     return b, sq, sk, h, hk, d, causal, dt, tile, variants, None
 
 
@@ -284,15 +295,16 @@ def _sm90_forward(q, k, v, *, causal, softmax_scale, cfg, stages=None, **variant
     return nb._finish(None, o, q.dtype), lse
 
 
-def _sm90_backward(do, q, k, v, o, lse, *, causal, softmax_scale, cfg, deterministic=False, **variants):
+def _sm90_backward(do, q, k, v, o, lse, *, causal, softmax_scale, cfg, deterministic=False, query_split=False,
+                   **variants):
     """(dq, dk, dv, semaphore) of proto/flash_bwd_sm90.py between flash_bwd.py's preprocess and postprocess,
     launched as the Numba backend's _backward launches flash_bwd (dense), with the same arguments. The
-    preprocess and postprocess take 16-row blocks of one warp (they take no head dim). deterministic sets
-    DETERMINISTIC on cfg."""
+    preprocess and postprocess take 16-row blocks of one warp (they take no head dim). deterministic and
+    query_split set DETERMINISTIC and QUERY_SPLIT on cfg (the latter doubles the grid's x, as cuda.py does)."""
     import dataclasses
 
     from cuflash.backends import numba as nb
-    from cuflash.config import DETERMINISTIC, SEMAPHORE_ROWS, dtype_name
+    from cuflash.config import DETERMINISTIC, QUERY_SPLIT, SEMAPHORE_ROWS, dtype_name
     from cuflash.proto.flash_bwd import make_flash_bwd_postprocess, make_flash_bwd_preprocess
     from cuflash.proto.flash_bwd_sm90 import make_flash_bwd_sm90
 
@@ -305,8 +317,11 @@ def _sm90_backward(do, q, k, v, o, lse, *, causal, softmax_scale, cfg, determini
     dq, dk, dv = (np.empty(x.shape, work) for x in (q, k, v))
     dsum = np.empty((b, h, sq), acc)
     dq_accum = np.empty((b, h, sq, d), acc)
-    if deterministic:
-        cfg = dataclasses.replace(cfg, variant=cfg.variant | DETERMINISTIC)
+    cfg = dataclasses.replace(cfg, variant=cfg.variant | (DETERMINISTIC if deterministic else 0)
+                              | (QUERY_SPLIT if query_split else 0))
+    n_blocks = -(-k.shape[1] // cfg.block_n)
+    # rank 0's dK, dV for rank 1 (the cluster's shared memory)
+    partial = np.zeros((hk, b, n_blocks, 2, cfg.block_n, cfg.head_dim) if query_split else (1,) * 6, acc)
     # one per SEMAPHORE_ROWS query rows, as config.BackwardWorkspace's; not zeroed here: the preprocess does
     semaphore = np.full((b, h, -(-sq // SEMAPHORE_ROWS)), -1, np.int32)
     pre, post = (dataclasses.replace(cfg, kernel=kn, block_m=16, block_n=16, warps=1)
@@ -316,8 +331,8 @@ def _sm90_backward(do, q, k, v, o, lse, *, causal, softmax_scale, cfg, determini
     q_, k_, v_, do_, o_, lse_ = (launcher.inp(x) for x in (q, k, v, do, o, lse))
     launcher.launch(make_flash_bwd_preprocess, pre, (-(-sq // 16), h, b), do_, o_, dsum, dq_accum, semaphore,
                     var[0], var[1])
-    launcher.launch(make_flash_bwd_sm90, cfg, (hk, -(-k.shape[1] // cfg.block_n), b), q_, k_, v_, do_, lse_, dsum,
-                    dk, dv, dq_accum, semaphore, scale, scale_log2, *var)
+    launcher.launch(make_flash_bwd_sm90, cfg, (hk * (2 if query_split else 1), n_blocks, b), q_, k_, v_, do_, lse_,
+                    dsum, dk, dv, dq_accum, semaphore, partial, scale, scale_log2, *var)
     launcher.launch(make_flash_bwd_postprocess, post, (-(-sq // 16), h, b), dq_accum, dq, scale, var[0], var[1])
     return (*(nb._finish(None, x, q.dtype) for x in (dq, dk, dv)), semaphore)
 
@@ -349,7 +364,7 @@ def _sm90_refusals() -> list[str]:
 
 def _sm90_bwd_refusals() -> list[str]:
     """make_flash_bwd_sm90 refuses what the CUDA kernel does not serve or cannot be built for."""
-    from cuflash.config import DETERMINISTIC, PAGED, SEQUSED, VARLEN, KernelConfig
+    from cuflash.config import DETERMINISTIC, PAGED, QUERY_SPLIT, SEQUSED, VARLEN, KernelConfig
     from cuflash.proto.flash_bwd_sm90 import make_flash_bwd_sm90
 
     fails = []
@@ -364,7 +379,8 @@ def _sm90_bwd_refusals() -> list[str]:
             KernelConfig("flash_bwd_sm90", "float16", 64, 96, 128, 12, 0),  # block_m not whole slabs
             KernelConfig("flash_bwd_sm90", "float16", 96, 64, 128, 12, 0),  # head_dim not whole slabs
             KernelConfig("flash_bwd_sm90", "float16", 128, 128, 128, 12, 0),  # 4 dQ tiles for 2 consumers
-            KernelConfig("flash_bwd_sm90", "float16", 64, 64, 64, 8, 0)]  # one dQ tile, one consumer (no sDqX partner)
+            KernelConfig("flash_bwd_sm90", "float16", 64, 64, 64, 8, 0),  # one dQ tile, one consumer (no sDqX partner)
+            KernelConfig("flash_bwd_sm90", "float16", 64, 64, 128, 12, DETERMINISTIC | QUERY_SPLIT)]
     for cfg in bad:
         try:
             make_flash_bwd_sm90(cfg)
@@ -446,9 +462,9 @@ def _sm90_bwd_case(name, seed):
     scale = 1.0 / math.sqrt(d)
     o, lse = npb.forward(q, k, v, causal=causal, softmax_scale=scale, **kw)
     cfg = KernelConfig("flash_bwd_sm90", dt, cd, bm, bn, warps, _params.variant(causal, **kw))
-    det = bool(case[9].get("deterministic"))
     run = lambda: _sm90_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale, cfg=cfg,  # noqa: E731
-                                 deterministic=det, **kw)
+                                 deterministic=bool(case[9].get("deterministic")),
+                                 query_split=bool(case[9].get("query_split")), **kw)
     res = dict(zip(("dq", "dk", "dv", "semaphore"), run()))
     if name == SM90_BWD_RERUN:
         res["dq_rerun"] = run()[0]

@@ -7,12 +7,17 @@ and the accumulator type are closure constants. It runs between flash_bwd.py's p
 (D, the zeroed dq_accum; dQ = dq_accum * softmax_scale), with make_flash_bwd's arguments and grid:
 
     grid (nheads_k, ceil(seqlen_k / block_n), batch), block (warps * 32,)
-    kernel[grid, block](q, k, v, do, lse, dsum, dk, dv, dq_accum, semaphore, softmax_scale, scale_log2,
+    kernel[grid, block](q, k, v, do, lse, dsum, dk, dv, dq_accum, semaphore, partial, softmax_scale, scale_log2,
                         *variant_args)
 
 Dense batches, as the CUDA kernel (config.SM90_BWD_UNSERVED raises): cu_seqlens_q / cu_seqlens_k are taken and
 never read. semaphore: flash_bwd.py's, int32 (batch, nheads, ceil(seqlen_q / 64)) zeroed by the preprocess, read
-and written only when DETERMINISTIC.
+and written only when DETERMINISTIC. QUERY_SPLIT: twice the grid's x (CUDA's clusters of two blocks: x = 2 head_k +
+the block's rank); each rank takes a half of the key block's query blocks, and `partial` (nheads_k, batch,
+ceil(seqlen_k / block_n), 2, block_n, head_dim) of the accumulator type stands for the cluster's shared memory:
+rank 0 puts its dK, dV there, rank 1 adds them to its own and stores. The simulator runs rank 0 first (blocks one
+after another in np.ndindex order, x slowest), so rank 1 finds them there; CUDA's ranks run at once and wait on
+mbarriers. Without QUERY_SPLIT `partial` is never read.
 
 Roles, as in CUDA. Warpgroup 0 is the producer: thread 0 copies K and V once, then the Q and dO tiles of
 each (query head, query block) pair `it` into a ring of kStages = 2 stages, each tile waiting until the
@@ -67,7 +72,7 @@ import math
 from numba import config as numba_config
 from numba import cuda, int32, uint64
 
-from ..config import DETERMINISTIC, PAGED, SEQUSED, SM90_BWD_UNSERVED, VARLEN
+from ..config import DETERMINISTIC, PAGED, QUERY_SPLIT, SEQUSED, SM90_BWD_UNSERVED, VARLEN
 from .dropout import keep
 from .flash_bwd import LOG2E, backward_pair, dq_turn, lse_to_log2_offset
 from .flash_fwd import acc_type, load_tile, thread_layout, variant_flags
@@ -110,6 +115,10 @@ def make_flash_bwd_sm90(cfg):
     STAGES = 2  # kStages
     IS_LOCAL, IS_SOFTCAP, IS_ALIBI, IS_DROPOUT, _, TRANSFORM = variant_flags(cfg)
     IS_DETERMINISTIC = bool(cfg.variant & DETERMINISTIC)  # kIsDeterministic
+    IS_QUERY_SPLIT = bool(cfg.variant & QUERY_SPLIT)  # kIsQuerySplit
+    if IS_QUERY_SPLIT and IS_DETERMINISTIC:
+        raise ValueError("flash_bwd_sm90: QUERY_SPLIT does not take DETERMINISTIC (the turns count key blocks, not "
+                         "halves of them)")
     DQ_WARP = 2  # the producer warpgroup's warp that adds sDqAcc into dq_accum
     TURN_WARP = 3  # and the one that keeps the dQ tiles' turns (DETERMINISTIC)
     SIMULATED = bool(numba_config.ENABLE_CUDASIM)  # blocks one after another: a turn never comes by waiting
@@ -150,14 +159,22 @@ def make_flash_bwd_sm90(cfg):
     @cuda.jit(device=True)
     def block_coordinates(q, k, cu_seqlens_q, cu_seqlens_k, window_left, window_right):
         # [2] Block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
-        head_k = cuda.blockIdx.x
+        # (QUERY_SPLIT: x = 2 head_k + the block's rank in its cluster, and each rank takes a half of them)
+        rank = cuda.blockIdx.x % 2 if IS_QUERY_SPLIT else 0  # CUDA: cluster_rank()
+        head_k = cuda.blockIdx.x // 2 if IS_QUERY_SPLIT else cuda.blockIdx.x
         n_block = cuda.blockIdx.y
         batch = cuda.blockIdx.z
         _, _, seqlen_q, seqlen_k = seq_info(False, cu_seqlens_q, cu_seqlens_k, batch, q.shape[1], k.shape[1])
         group = q.shape[2] // k.shape[2]
         m_block_first, m_block_end = m_block_range(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k,
                                                    BLOCK_M, BLOCK_N, n_block)
-        return head_k, batch, n_block, seqlen_q, seqlen_k, group, m_block_first, m_block_end
+        if IS_QUERY_SPLIT:
+            mid = m_block_first + (max(m_block_end - m_block_first, 0) + 1) // 2
+            if rank == 0:
+                m_block_end = mid
+            else:
+                m_block_first = mid
+        return rank, head_k, batch, n_block, seqlen_q, seqlen_k, group, m_block_first, m_block_end
 
     @cuda.jit(device=True)
     def pair(it, head_k, group, m_block_first, m_block_end):  # (head, m_block) of pair it: backward_pair's order
@@ -394,9 +411,9 @@ def make_flash_bwd_sm90(cfg):
             mbarrier_arrive(bars, do_empty(stage))
 
     @cuda.jit
-    def flash_bwd_sm90(q, k, v, do, lse, dsum, dk, dv, dq_accum, semaphore, softmax_scale, scale_log2, cu_seqlens_q,
-                       cu_seqlens_k, window_left, window_right, softcap, alibi_slopes, alibi_batch_stride, seed_lo,
-                       seed_hi, offset, dropout_threshold, dropout_scale):
+    def flash_bwd_sm90(q, k, v, do, lse, dsum, dk, dv, dq_accum, semaphore, partial, softmax_scale, scale_log2,
+                       cu_seqlens_q, cu_seqlens_k, window_left, window_right, softcap, alibi_slopes, alibi_batch_stride,
+                       seed_lo, seed_hi, offset, dropout_threshold, dropout_scale):
         sK = cuda.shared.array((BLOCK_N, HEAD_DIM), ACC)
         sV = cuda.shared.array((BLOCK_N, HEAD_DIM), ACC)
         sQ = cuda.shared.array((STAGES, BLOCK_M, HEAD_DIM), ACC)
@@ -412,7 +429,7 @@ def make_flash_bwd_sm90(cfg):
         sDqAcc = cuda.shared.array((BLOCK_M, HEAD_DIM), ACC)
         bars = cuda.shared.array(N_BARS, int32)
 
-        head_k, batch, n_block, seqlen_q, seqlen_k, group, m_block_first, m_block_end = block_coordinates(
+        rank, head_k, batch, n_block, seqlen_q, seqlen_k, group, m_block_first, m_block_end = block_coordinates(
             q, k, cu_seqlens_q, cu_seqlens_k, window_left, window_right)
         key_begin = n_block * BLOCK_N
         n_m = max(m_block_end - m_block_first, 0)
@@ -538,6 +555,20 @@ def make_flash_bwd_sm90(cfg):
         # Through this consumer's rows of sK and sV, once every consumer's last dQ (which reads sK) has
         # completed (CUDA: named barrier kDsReady)
         cuda.syncthreads()
+        if IS_QUERY_SPLIT:
+            # Rank 0's accumulators into `partial` (CUDA: its sK .. sdO; then an arrive on rank 1's partial_full,
+            # and a wait on partial_read until rank 1 has read them), rank 1 adds them to its own (CUDA: after a
+            # wait on partial_full, through the cluster's shared memory; then an arrive on rank 0's partial_read)
+            if rank == 0:
+                if consumer >= 0:
+                    for j in range(D_CPT):
+                        partial[head_k, batch, n_block, 0, key, lane + j * TPR] = acc_dk[j]
+                        partial[head_k, batch, n_block, 1, key, lane + j * TPR] = acc_dv[j]
+                return
+            if consumer >= 0:
+                for j in range(D_CPT):
+                    acc_dk[j] += partial[head_k, batch, n_block, 0, key, lane + j * TPR]
+                    acc_dv[j] += partial[head_k, batch, n_block, 1, key, lane + j * TPR]
         dv_scale = dropout_scale if IS_DROPOUT else ACC(1)
         if consumer >= 0:
             for j in range(D_CPT):
