@@ -382,6 +382,19 @@ def query_split(cfg: KernelConfig, blocks: int, sms: int) -> bool:
     return 2 * blocks <= sms or ((cfg.variant & (LOCAL | WINDOW)) == LOCAL and blocks <= sms)
 
 
+def backward_grid(cfg: KernelConfig, nheads_k: int, seqlen_k: int, batch: int) -> tuple[int, int, int]:
+    """flash_bwd's and flash_bwd_sm90's grid (backward.cuh's backward_block reads it): (nheads_k, key blocks,
+    batch), batch by batch with key blocks slowest within an entry, so that the blocks resident at once are
+    many key blocks of one entry's heads and share each Q, dO and dQ tile in L2. DETERMINISTIC: (nheads_k,
+    batch, key blocks), key blocks slowest of all, as before 2026-12-02: each dQ tile's turn passes from key
+    block to key block, and with every entry's first key blocks resident at once their chains run side by side
+    rather than one entry's deeper (a model of the schedule: 8 % longer at B=2 H=8 N=4096 causal the other way).
+    QUERY_SPLIT doubles x (clusters of two blocks)."""
+    x = nheads_k * (2 if cfg.variant & QUERY_SPLIT else 1)
+    n_blocks = ceil_div(seqlen_k, cfg.block_n)
+    return (x, batch, n_blocks) if cfg.variant & DETERMINISTIC else (x, n_blocks, batch)
+
+
 def sm90_serves_backward(head_dim: int, variant: int) -> bool:
     """Does flash_bwd_sm90 serve a backward call? (else flash_bwd does; README Limits lists these)"""
     return head_dim <= max(_TILES["flash_bwd_sm90"]) and not variant & SM90_BWD_UNSERVED

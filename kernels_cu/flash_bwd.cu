@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_preprocess(const __gri
 // batch by batch, key blocks slowest within it. The blocks resident at once are then many key blocks of one
 // entry's heads, which stream the same Q, dO and dQ tiles at about the same time and share them in L2 (with
 // the batch in y instead, slowest but one, they spread over every entry's heads), and an entry's longest
-// causal blocks start first.
+// causal blocks start first. kDeterministic: (nheads_k, batch, key blocks) (backward_block).
 //
 // Warps form a kWN x kWM grid: kWN = kBlockN / 16 warps along the keys (16 key rows each) and kWM warps
 // sharing those rows. S, P, dP, dS, dK and dV are computed transposed so that keys are the mma's M dimension:
@@ -146,7 +146,9 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
     float* sD = sLse + kStages * kBlockM;
 
     // [2] Block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
-    const int head_k = blockIdx.x, n_block = blockIdx.y, batch = blockIdx.z;
+    const int head_k = blockIdx.x;
+    int n_block, batch;
+    backward_block<kIsDeterministic>(n_block, batch);
     const SeqInfo<(kVariant & kVarlen) != 0> seq(p.fwd, batch);
     const int key_begin = n_block * kBlockN;
     if (key_begin >= seq.seqlen_k) return;  // varlen: a shorter sequence than the grid's

@@ -136,7 +136,9 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
 
     // [2] Block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
     // (kQuerySplit: x = 2 head_k + the block's rank in its cluster, and each rank takes a half of them)
-    const int head_k = kIsQuerySplit ? blockIdx.x / 2 : blockIdx.x, n_block = blockIdx.y, batch = blockIdx.z;
+    const int head_k = kIsQuerySplit ? blockIdx.x / 2 : blockIdx.x;
+    int n_block, batch;
+    backward_block<kIsDeterministic>(n_block, batch);
     const SeqInfo<false, false> seq(p.fwd, batch);
     const int key_begin = n_block * kBlockN;
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
@@ -164,8 +166,10 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
             mbarrier_init(q_empty(s), 128 * kConsumers);  // every consumer thread: each has read LSE and D
             mbarrier_init(do_empty(s), 4 * kConsumers);   // lane 0 of every consumer warp (dO: wgmma's reads)
         }
-        mbarrier_init(partial_full, 128 * kConsumers);  // kQuerySplit: every consumer thread of the other block
-        mbarrier_init(partial_read, 128 * kConsumers);
+        if constexpr (kIsQuerySplit) {
+            mbarrier_init(partial_full, 128 * kConsumers);  // every consumer thread of the other block
+            mbarrier_init(partial_read, 128 * kConsumers);
+        }
         fence_barrier_init();
         *sScaleLog2 = Mod(p.fwd, batch, head_k * group, mask.shift).score_log2(p.fwd);  // the same for every head
     }

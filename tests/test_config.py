@@ -203,6 +203,18 @@ def test_small_hopper_backward_grids_split_query_blocks():
     assert config.choose_forward("bfloat16", 128, config.QUERY_SPLIT, compute_capability=90).variant == 0
 
 
+def test_backward_grid():
+    """(nheads_k [x2 split], key blocks, batch), and (nheads_k, batch, key blocks) when deterministic: the order
+    backward.cuh's backward_block reads, for flash_bwd and flash_bwd_sm90 alike."""
+    for kernel, v in (("flash_bwd", 0), ("flash_bwd_sm90", 0), ("flash_bwd_sm90", config.LOCAL)):
+        cfg = config.KernelConfig(kernel, "bfloat16", 128, 64, 128, 8 if kernel == "flash_bwd" else 12, v)
+        det = dataclasses.replace(cfg, variant=v | config.DETERMINISTIC)
+        assert config.backward_grid(cfg, 4, 1000, 3) == (4, 8, 3)  # ceil(1000 / 128) key blocks
+        assert config.backward_grid(det, 4, 1000, 3) == (4, 3, 8)
+    split = config.KernelConfig("flash_bwd_sm90", "bfloat16", 128, 64, 128, 12, config.QUERY_SPLIT)
+    assert config.backward_grid(split, 4, 128, 2) == (8, 1, 2)
+
+
 def test_longest_first_is_causal_alone():
     """The forward and dQ grids run query blocks last to first only for a causal mask (mask.cuh
     query_block): a window's blocks are alike, and the heavy variants have no registers to spare."""

@@ -300,11 +300,11 @@ def _sm90_backward(do, q, k, v, o, lse, *, causal, softmax_scale, cfg, determini
     """(dq, dk, dv, semaphore) of proto/flash_bwd_sm90.py between flash_bwd.py's preprocess and postprocess,
     launched as the Numba backend's _backward launches flash_bwd (dense), with the same arguments. The
     preprocess and postprocess take 16-row blocks of one warp (they take no head dim). deterministic and
-    query_split set DETERMINISTIC and QUERY_SPLIT on cfg (the latter doubles the grid's x, as cuda.py does)."""
+    query_split set DETERMINISTIC and QUERY_SPLIT on cfg (the grid is config.backward_grid's, as cuda.py's)."""
     import dataclasses
 
     from cuflash.backends import numba as nb
-    from cuflash.config import DETERMINISTIC, QUERY_SPLIT, SEMAPHORE_ROWS, dtype_name
+    from cuflash.config import DETERMINISTIC, QUERY_SPLIT, SEMAPHORE_ROWS, backward_grid, dtype_name
     from cuflash.proto.flash_bwd import make_flash_bwd_postprocess, make_flash_bwd_preprocess
     from cuflash.proto.flash_bwd_sm90 import make_flash_bwd_sm90
 
@@ -331,8 +331,8 @@ def _sm90_backward(do, q, k, v, o, lse, *, causal, softmax_scale, cfg, determini
     q_, k_, v_, do_, o_, lse_ = (launcher.inp(x) for x in (q, k, v, do, o, lse))
     launcher.launch(make_flash_bwd_preprocess, pre, (-(-sq // 16), h, b), do_, o_, dsum, dq_accum, semaphore,
                     var[0], var[1])
-    launcher.launch(make_flash_bwd_sm90, cfg, (hk * (2 if query_split else 1), n_blocks, b), q_, k_, v_, do_, lse_,
-                    dsum, dk, dv, dq_accum, semaphore, partial, scale, scale_log2, *var)
+    launcher.launch(make_flash_bwd_sm90, cfg, backward_grid(cfg, hk, k.shape[1], b), q_, k_, v_, do_, lse_, dsum, dk,
+                    dv, dq_accum, semaphore, partial, scale, scale_log2, *var)
     launcher.launch(make_flash_bwd_postprocess, post, (-(-sq // 16), h, b), dq_accum, dq, scale, var[0], var[1])
     return (*(nb._finish(None, x, q.dtype) for x in (dq, dk, dv)), semaphore)
 

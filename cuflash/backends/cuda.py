@@ -16,7 +16,7 @@ import numpy as np
 from .. import _compile, _params, _tma
 from .._checks import check_batch, check_grid_heads
 from .._interop import gpu_status
-from ..config import (DQ_SWIZZLE_SM90, QUERY_SPLIT, ceil_div, choose_backward, choose_decode, choose_forward,
+from ..config import (DQ_SWIZZLE_SM90, backward_grid, ceil_div, choose_backward, choose_decode, choose_forward,
                       decode_splits, forced_family)
 
 ON_DEVICE = True
@@ -146,9 +146,8 @@ def backward_launches(do, q, k, v, o, lse, dq, dk, dv, workspace, *, causal: boo
     cfgs = choose(compute_capability=compute_capability(), family=forced_family())
 
     def grid(cfg):
-        if cfg.kernel in ("flash_bwd", "flash_bwd_sm90"):  # batch by batch, key blocks slowest within (flash_bwd.cu)
-            split = 2 if cfg.variant & QUERY_SPLIT else 1  # flash_bwd_sm90's clusters of two blocks in x
-            return hk * split, ceil_div(sk, cfg.block_n), b
+        if cfg.kernel in ("flash_bwd", "flash_bwd_sm90"):
+            return backward_grid(cfg, hk, sk, b)
         if cfg.kernel == "flash_bwd_dkdv_simt":
             return ceil_div(sk, cfg.block_n), hk, b
         return ceil_div(sq, cfg.block_m), h, b

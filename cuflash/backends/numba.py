@@ -38,7 +38,7 @@ import numpy as np
 
 from .. import _mask, _params, _philox
 from .._params import UNBOUNDED
-from ..config import (DETERMINISTIC, SEMAPHORE_ROWS, KernelConfig, choose_backward, choose_forward,
+from ..config import (DETERMINISTIC, SEMAPHORE_ROWS, KernelConfig, backward_grid, choose_backward, choose_forward,
                       dtype_name)
 
 STATIC_SMEM_LIMIT = 48 * 1024
@@ -336,8 +336,7 @@ def _backward(do, q, k, v, o, lse, *, causal, softmax_scale, cfgs=None, determin
     q_, k_, v_, do_, o_, lse_ = (launcher.inp(x) for x in (q, k, v, do, o, lse))
     launcher.launch(make_flash_bwd_preprocess, cfg_pre, (_ceil_div(grid_sq, cfg_pre.block_m), nheads, batch),
                     do_, o_, dsum, dq_accum, semaphore, var[0], var[1])
-    # batch by batch, key blocks slowest within it, as in flash_bwd.cu
-    launcher.launch(make_flash_bwd, cfg_bwd, (nheads_k, _ceil_div(grid_sk, cfg_bwd.block_n), batch),
+    launcher.launch(make_flash_bwd, cfg_bwd, backward_grid(cfg_bwd, nheads_k, grid_sk, batch),
                     q_, k_, v_, do_, lse_, dsum, dk_buf, dv_buf, dq_accum, semaphore, scale, scale_log2, *var)
     launcher.launch(make_flash_bwd_postprocess, cfg_post, (_ceil_div(grid_sq, cfg_post.block_m), nheads, batch),
                     dq_accum, dq_buf, scale, var[0], var[1])

@@ -4,7 +4,8 @@ Three kernels, launched in this order on one stream, with the same grids as the 
 
     make_flash_bwd_preprocess(cfg):  grid (ceil(seqlen_q / block_m), nheads, batch)
         kernel(do, o, dsum, dq_accum, semaphore, cu_seqlens_q, cu_seqlens_k)
-    make_flash_bwd(cfg):             grid (nheads_k, ceil(seqlen_k / block_n), batch)
+    make_flash_bwd(cfg):             grid config.backward_grid: (nheads_k, ceil(seqlen_k / block_n), batch),
+                                     deterministic (nheads_k, batch, ceil(seqlen_k / block_n))
         kernel(q, k, v, do, lse, dsum, dk, dv, dq_accum, semaphore, softmax_scale, scale_log2, *variant_args)
     make_flash_bwd_postprocess(cfg): grid (ceil(seqlen_q / block_m), nheads, batch)
         kernel(dq_accum, dq, softmax_scale, cu_seqlens_q, cu_seqlens_k)
@@ -116,6 +117,14 @@ def lse_to_log2_offset(lse):
 
 
 @cuda.jit(device=True)
+def backward_block(deterministic):
+    # backward.cuh's: (n_block, batch) of this block in config.backward_grid's grid
+    if deterministic:
+        return cuda.blockIdx.z, cuda.blockIdx.y
+    return cuda.blockIdx.y, cuda.blockIdx.z
+
+
+@cuda.jit(device=True)
 def backward_pair(deterministic, it, head_k, group, m_block_first, m_block_end):
     # backward.cuh's: a key block's pair `it` is query head hq = it % group at the i-th query block
     # (i = it // group) from the first, or (deterministic) from the last. Deterministic: key blocks add into
@@ -170,8 +179,7 @@ def make_flash_bwd(cfg):
                   seed_hi, offset, dropout_threshold, dropout_scale):
         # [2] Block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
         head_k = cuda.blockIdx.x
-        n_block = cuda.blockIdx.y
-        batch = cuda.blockIdx.z
+        n_block, batch = backward_block(IS_DETERMINISTIC)
         tid = cuda.threadIdx.x
         q_start, k_start, seqlen_q, seqlen_k = seq_info(IS_VARLEN, cu_seqlens_q, cu_seqlens_k, batch,
                                                         q.shape[1], k.shape[1])
@@ -322,7 +330,7 @@ def make_flash_bwd(cfg):
                 if tid == 0:
                     # an atomic read (load_acquire in flash_bwd.cu): a plain load could be hoisted out of
                     # the loop. Under the simulator blocks run one after another, np.ndindex order over
-                    # (nheads_k, n_blocks, batch): key blocks of a kv head from first to last, so the
+                    # (nheads_k, batch, n_blocks): key blocks of an entry's kv head from first to last, so the
                     # turns waited for have all been given when a block gets here.
                     while cuda.atomic.add(semaphore, (batch, head, m_block), 0) != turn:
                         pass

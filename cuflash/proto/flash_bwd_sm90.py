@@ -6,7 +6,7 @@ block_n (64 keys per consumer warpgroup), warps (4 per warpgroup: 4 * (1 + block
 and the accumulator type are closure constants. It runs between flash_bwd.py's preprocess and postprocess
 (D, the zeroed dq_accum; dQ = dq_accum * softmax_scale), with make_flash_bwd's arguments and grid:
 
-    grid (nheads_k, ceil(seqlen_k / block_n), batch), block (warps * 32,)
+    grid config.backward_grid(cfg, nheads_k, seqlen_k, batch), block (warps * 32,)
     kernel[grid, block](q, k, v, do, lse, dsum, dk, dv, dq_accum, semaphore, partial, softmax_scale, scale_log2,
                         *variant_args)
 
@@ -74,7 +74,7 @@ from numba import cuda, int32, uint64
 
 from ..config import DETERMINISTIC, PAGED, QUERY_SPLIT, SEQUSED, SM90_BWD_UNSERVED, VARLEN
 from .dropout import keep
-from .flash_bwd import LOG2E, backward_pair, dq_turn, lse_to_log2_offset
+from .flash_bwd import LOG2E, backward_block, backward_pair, dq_turn, lse_to_log2_offset
 from .flash_fwd import acc_type, load_tile, thread_layout, variant_flags
 from .flash_fwd_sm90 import WARPGROUP, mbarrier_arrive, mbarrier_try_wait, mbarrier_wait
 from .mask import dcap_of, m_block_range, n_block_range, needs_mask, score_mod, score_mod_init, visible
@@ -162,8 +162,7 @@ def make_flash_bwd_sm90(cfg):
         # (QUERY_SPLIT: x = 2 head_k + the block's rank in its cluster, and each rank takes a half of them)
         rank = cuda.blockIdx.x % 2 if IS_QUERY_SPLIT else 0  # CUDA: cluster_rank()
         head_k = cuda.blockIdx.x // 2 if IS_QUERY_SPLIT else cuda.blockIdx.x
-        n_block = cuda.blockIdx.y
-        batch = cuda.blockIdx.z
+        n_block, batch = backward_block(IS_DETERMINISTIC)
         _, _, seqlen_q, seqlen_k = seq_info(False, cu_seqlens_q, cu_seqlens_k, batch, q.shape[1], k.shape[1])
         group = q.shape[2] // k.shape[2]
         m_block_first, m_block_end = m_block_range(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k,
@@ -376,8 +375,8 @@ def make_flash_bwd_sm90(cfg):
             head, m_block, turn = tile_turn(it, head_k, group, m_block_first, m_block_end, n_block, seqlen_q, seqlen_k,
                                             window_left, window_right)
             # An atomic read (CUDA: load_acquire; a plain load could be hoisted out of the loop). Under the
-            # simulator blocks run one after another, np.ndindex order over (nheads_k, n_blocks, batch): key
-            # blocks of a kv head from first to last, so the turns waited for have all been given by now; one
+            # simulator blocks run one after another, np.ndindex order over (nheads_k, batch, n_blocks): key
+            # blocks of an entry's kv head from first to last, so the turns waited for have all been given by now; one
             # that has not would never come (a broken order): raise rather than hang.
             while cuda.atomic.add(semaphore, (batch, head, m_block), 0) != turn:
                 if SIMULATED:
