@@ -39,3 +39,27 @@ def test_a_hung_test_stops_the_suite_early(tmp_path):
     assert run.returncode != 0
     assert "a test hung" in (tmp_path / "out" / "pytest_gpu.log").read_text()
     assert "stage test: exit 124" not in gpu_txt
+
+
+def test_ab_runs_each_stage_on_both_trees_and_packs_the_outputs(tmp_path):
+    """bench/ab.sh: every stage runs in OLD's folder with OLD first on the import path, then in this tree; the
+    outputs come back in one tarball (the device tool returns at most 8 files)."""
+    import tarfile
+
+    fake = tmp_path / "bin" / "python3"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\necho "cwd=$PWD path=$PYTHONPATH args=$*"\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    old = tmp_path / "old"
+    old.mkdir()
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+           "OLD": str(old), "PYTHONPATH": "/site"}
+    run = subprocess.run(["bash", "bench/ab.sh", "causal", "det"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    with tarfile.open(tmp_path / "out" / "ab.tgz") as tar:
+        logs = {m.name.lstrip("./"): tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
+    for stage, args in (("compile", "-m cuflash compile"), ("causal", "--suite seqlen"), ("det", "deterministic")):
+        assert f"cwd={old} path={old}:/site" in logs[f"{stage}-old.log"] and args in logs[f"{stage}-old.log"]
+        assert f"cwd={ROOT} path={ROOT}:/site" in logs[f"{stage}-new.log"] and args in logs[f"{stage}-new.log"]
+    assert logs["ab.txt"].count("exit 0") == 6
