@@ -13,8 +13,6 @@ __device__ __forceinline__ float lse_to_log2_offset(float lse) {
     return lse == neg_inf<float>() ? -neg_inf<float>() : lse * 1.4426950408889634f;
 }
 
-// The (query head of the group, query block) pairs a key block visits, in order: pair `it` is query head
-// hq = it % group at the i-th query block (i = it / group) from the first, or (kDeterministic) from the last.
 // The key block and batch entry of a flash_bwd or flash_bwd_sm90 block: the grid is config.backward_grid's,
 // (nheads_k, key blocks, batch), or (nheads_k, batch, key blocks) when deterministic (key blocks slowest of all,
 // so that every entry's turn chains run side by side).
@@ -24,6 +22,8 @@ __device__ __forceinline__ void backward_block(int& n_block, int& batch) {
     batch = kDeterministic ? blockIdx.y : blockIdx.z;
 }
 
+// The (query head of the group, query block) pairs a key block visits, in order: pair `it` is query head
+// hq = it % group at the i-th query block (i = it / group) from the first, or (kDeterministic) from the last.
 // kDeterministic: the key blocks add into each dQ tile first to last (dq_turn). A block's i-th pair is then
 // a tile that every block before it in line visited at its i-th pair or earlier (masks end their query-block
 // ranges in key order), so a block lags the one before it by about a pair, and the grid keeps its
