@@ -25,7 +25,8 @@ for stage in "$@"; do
   for tree in old new; do
     json=$WORK/$stage-$tree.json
     case "$stage" in
-      causal) run "$tree" "$stage" python3 -m cuflash bench --suite seqlen --backends cuflash,torch-cudnn --json "$json" ;;
+      causal) run "$tree" "$stage" python3 -m cuflash bench --suite seqlen --backends cuflash,torch-cudnn \
+                --json "$json" ;;
       full) run "$tree" "$stage" python3 -m cuflash bench --suite seqlen --no-causal --backends cuflash,torch-cudnn \
               --json "$json" ;;
       det) run "$tree" "$stage" python3 bench/deterministic.py "$json" ;;
