@@ -199,6 +199,14 @@ _TILES_HEAVY: dict[str, dict[int, tuple[int, int, int]]] = {
     "flash_bwd_dkdv_simt": {64: (32, 32, 4)},
 }
 
+# flash_fwd_sm90 without a mask or a score modifier, over WIDE_KEYS_MIN keys or more: 176 keys a block, as
+# FlashAttention-3 takes at d = 128 (hopper/tile_size.h): 1.375x fewer key blocks, so fewer barriers, waits
+# and O rescales per query row, in 2 stages of K and V instead of 3. Measured on the H200 (bench/RESULTS.md,
+# 2026-12-02 (d), B=2 H=8, non-causal): 1.03x at N=8192 and 1.12x at 16384, even at 2048 and 4096, and
+# 0.96-0.97x at 512 and 1024, where the shorter ring's fill is a larger share.
+_TILES_WIDE_KEYS = {"flash_fwd_sm90": {128: (128, 176, 12)}}
+WIDE_KEYS_MIN = 4096
+
 # flash_bwd where its grid would leave most SMs idle (fewer blocks than half of them, e.g. B=2 H=8 N=512 at
 # d=128: 64 blocks of 64 x 128 on 132 SMs): a tile that makes twice as many blocks. Measured on the H200
 # (bench/RESULTS.md, 2026-12-01, causal): N=512 takes 0.056 ms with it, 0.069 without. Not for the variants
@@ -310,13 +318,14 @@ def numpy_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
-def choose_forward(dtype, head_dim: int, variant: int, *, compute_capability: int = 0,
+def choose_forward(dtype, head_dim: int, variant: int, *, seqlen_k: int = 0, compute_capability: int = 0,
                    family: str | None = None) -> KernelConfig:
     """The forward config of a call; variant: variant_bits(...) (LOCAL alone for a causal call).
 
     16-bit dtypes on compute capability 9.0 take the Hopper kernel (flash_fwd_sm90), except for what it does
     not serve (SM90_UNSERVED); elsewhere the mma.sync kernel. family: forced_family(), where a caller forces
-    one ("mma" on a Hopper GPU; "sm90" raises where the Hopper kernel cannot run the call)."""
+    one ("mma" on a Hopper GPU; "sm90" raises where the Hopper kernel cannot run the call). seqlen_k, where
+    given, lets a long call without mask or score modifier take _TILES_WIDE_KEYS's tile."""
     dt = dtype_name(dtype)
     variant &= ~BACKWARD_ONLY
     if dt not in TENSOR_CORE_DTYPES:
@@ -326,7 +335,11 @@ def choose_forward(dtype, head_dim: int, variant: int, *, compute_capability: in
         raise ValueError("the sm90 kernel family cannot serve this call: "
                          + ("it needs compute capability 9.0" if compute_capability != 90
                             else "varlen and KV-cache calls run on the mma family"))
-    return _make("flash_fwd_sm90" if hopper and family != "mma" else "flash_fwd", dt, head_dim, variant)
+    cfg = _make("flash_fwd_sm90" if hopper and family != "mma" else "flash_fwd", dt, head_dim, variant)
+    wide = _TILES_WIDE_KEYS.get(cfg.kernel, {}).get(cfg.head_dim)
+    if wide and seqlen_k >= WIDE_KEYS_MIN and not variant & (HEAVY | LOCAL | WINDOW):
+        cfg = dataclasses.replace(cfg, block_m=wide[0], block_n=wide[1], warps=wide[2])
+    return cfg
 
 
 def choose_backward(dtype, head_dim: int, variant: int, *, key_slabs: int = 0, seqlen_k: int = 0,
@@ -531,6 +544,7 @@ def all_configs() -> list[KernelConfig]:
             decode = [choose_decode(dt, d, v, packed_rows=1) for v in GATED_DECODE_VARIANTS]
             out.extend(c for pair in decode if pair for c in pair if c not in out)
             hopper = [choose_forward(dt, d, v, compute_capability=90) for v in (0, LOCAL, ALL_VARIANTS & ~SM90_UNSERVED)]
+            hopper.append(choose_forward(dt, d, 0, compute_capability=90, seqlen_k=WIDE_KEYS_MIN))
             bwd_all = ALL_VARIANTS & ~SM90_BWD_UNSERVED
             hopper += [choose_backward(dt, d, v, compute_capability=90)[1]
                        for v in (0, LOCAL, bwd_all)]

@@ -33,6 +33,18 @@ def test_unknown_dtype():
         config.choose_forward("int8", 64, False)
 
 
+def test_long_unmasked_hopper_forward_takes_wide_key_blocks():
+    wide = config.WIDE_KEYS_MIN
+    assert config.choose_forward("bfloat16", 128, 0, seqlen_k=wide, compute_capability=90).block_n == 176
+    assert config.choose_forward("bfloat16", 120, 0, seqlen_k=wide + 1, compute_capability=90).block_n == 176
+    for d, variant, seqlen_k, cc in ((128, 0, wide - 1, 90), (128, config.LOCAL, wide, 90),
+                                     (128, config.WINDOW, wide, 90), (128, config.SOFTCAP, wide, 90),
+                                     (64, 0, wide, 90), (256, 0, wide, 90), (128, 0, wide, 80)):
+        cfg = config.choose_forward("bfloat16", d, variant, seqlen_k=seqlen_k, compute_capability=cc)
+        assert cfg.block_n != 176, (d, variant, seqlen_k, cc)
+    assert config.choose_forward("float16", 128, 0, seqlen_k=wide, compute_capability=90) in config.all_configs()
+
+
 def test_frozen_and_hashable():
     c = config.choose_forward("float16", 64, False)
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -82,6 +82,8 @@ SM90_CASES = {
     "sm90_f16_d100_causal_sq_gt_sk_empty_rows": (1, 70, 40, 1, 1, 100, True, "float16", (128, 128, 32, 12), None,
                                                  {}),
     "sm90_f32_seqlen_k_zero": (1, 9, 0, 2, 1, 64, False, "float32", (64, 64, 16, 8), None, {}),
+    # key blocks of 48 = 3 x 16 (as the d = 128 tile of 176 keys = 11 x 16 is), two whole and a tail of 4
+    "sm90_f32_keys_not_power_of_two_tail": (1, 33, 100, 1, 1, 64, False, "float32", (64, 64, 48, 8), 2, {}),
     "sm90_f32_window_softcap_gqa_ring3": (1, 40, 90, 2, 1, 64, True, "float32", (64, 64, 16, 8), 3,
                                           {"window": (10, -1), "softcap": 2.0}),
     "sm90_f16_alibi_dropout_batch2": (2, 24, 50, 2, 2, 32, False, "float16", (64, 64, 32, 8), 2,

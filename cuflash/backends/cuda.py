@@ -114,9 +114,9 @@ def forward_launches(q, k, v, o, lse, *, causal: bool, softmax_scale: float, var
     """The forward of CuPy (batch, seqlen, heads, head_dim) views, kernel-ready (see `aligned`);
     varlen and variants as for _params.fwd_params."""
     d, h = q.shape[3], q.shape[2]
-    cfg = choose_forward(q.dtype, d, _params.variant(causal, varlen, **variants),
-                         compute_capability=compute_capability(), family=forced_family())
     p = _params.fwd_params(q, k, v, o, lse, softmax_scale, causal, varlen, **variants)
+    cfg = choose_forward(q.dtype, d, _params.variant(causal, varlen, **variants), seqlen_k=int(p["seqlen_k"]),
+                         compute_capability=compute_capability(), family=forced_family())
     b, sq = int(p["batch"]), int(p["seqlen_q"])
     check_batch(b)
     if cfg.family == "sm90":

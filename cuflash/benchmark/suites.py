@@ -253,7 +253,7 @@ def kernel_configs(s: Settings, names: list[str], compute_capability: int = 0) -
         for c in suite_cases(name, p):
             for bits in ([variant_bits(v, c) for v in p["variants"]] if name == "variants"
                          else [config.variant_bits(local=c.causal)]):
-                out.append(forward(c.dtype, c.head_dim, bits))
+                out.append(forward(c.dtype, c.head_dim, bits, seqlen_k=c.seqlen_k))
                 if set(p["modes"]) - {"fwd"}:
                     out.extend(backward(c.dtype, c.head_dim, bits))
     return list(dict.fromkeys(out))
