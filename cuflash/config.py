@@ -238,12 +238,12 @@ def smem_bytes(cfg: KernelConfig) -> int:
         return 0
     if cfg.kernel == "flash_bwd_sm90":
         # Sm90BwdSmem: slack, K, V, 2 stages of Q and dO, 2 dS, LSE and D, sDqAcc, d = 64's 2 sDqX, exp2's
-        # scale, mbarriers (QUERY_SPLIT's two among them)
+        # scale, mbarriers
         stages = 2
         dq_acc = bm * d * 4
         dq_exchange = 2 * 2 * 2 * 32 * 32 * 4 if bm * d == 64 * 64 else 0
         return (1024 + (2 * bn * d + 2 * stages * bm * d + 2 * bm * bn) * e + 2 * stages * bm * 4 + dq_acc
-                + dq_exchange + 8 + 8 * (3 + 4 * stages))
+                + dq_exchange + 8 + 8 * (1 + 4 * stages))
     if cfg.kernel == "flash_bwd":  # K, V tiles; dS^T tile (and P^T when warps share keys); per stage Q, dO, LSE, D
         warps_sharing_keys = cfg.warps // (bn // 16)  # kWM in flash_bwd.cu
         fixed = 2 * bn * row * e + (2 if warps_sharing_keys > 1 else 1) * bn * (bm + pad) * e

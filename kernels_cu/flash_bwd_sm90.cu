@@ -33,9 +33,8 @@
 //   [64 keys] (one written while the other may still be read); kStages x LSE offsets and D [kBlockM floats];
 //   sDqAcc [kBlockM rows][dq_accum_row_stride <= kHeadDim floats]; d = 64: two sDqX (as sdS) [from consumer]
 //   [warp % 2][32 floats][32 lanes]; exp2's scale (a float);
-//   mbarriers kv_full, q_full[kStages], do_full[kStages], q_empty[kStages], do_empty[kStages], (kQuerySplit)
-//   partial_full, partial_read. config.smem_bytes mirrors it. kQuerySplit: rank 0's dK, dV partials, at the end,
-//   over sK, sV, sQ and sdO.
+//   mbarriers kv_full, q_full[kStages], do_full[kStages], q_empty[kStages], do_empty[kStages]. config.smem_bytes
+//   mirrors it. kQuerySplit: rank 0's dK, dV partials, at the end, over sK, sV, sQ and sdO.
 //
 // Serves dense batches (config.choose_backward sends varlen to flash_bwd).
 #include "params.cuh"
@@ -65,7 +64,7 @@ struct Sm90BwdSmem {  // byte offsets from the 1024-aligned base
     static constexpr unsigned kDqX = kDqAcc + kBlockM * kHeadDim * 4;
     static constexpr unsigned kScale = kDqX + (kDqOwnKeys ? 2 * 2 * 2 * 32 * 32 * 4 : 0);
     static constexpr unsigned kBarriers = kScale + 8;
-    static constexpr unsigned kBytes = 1024 + kBarriers + 8 * (3 + 4 * kStages);
+    static constexpr unsigned kBytes = 1024 + kBarriers + 8 * (1 + 4 * kStages);
 };
 
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kVariant>
@@ -131,8 +130,6 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
     auto do_full = [&](int s) { return bars + 8u * (1 + kStages + s); };
     auto q_empty = [&](int s) { return bars + 8u * (1 + 2 * kStages + s); };
     auto do_empty = [&](int s) { return bars + 8u * (1 + 3 * kStages + s); };
-    // kQuerySplit: rank 0's partials are in (rank 1's barrier), rank 1 has read them (rank 0's)
-    const unsigned partial_full = bars + 8u * (1 + 4 * kStages), partial_read = partial_full + 8u;
 
     // [2] Block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
     // (kQuerySplit: x = 2 head_k + the block's rank in its cluster, and each rank takes a half of them)
@@ -166,15 +163,10 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
             mbarrier_init(q_empty(s), 128 * kConsumers);  // every consumer thread: each has read LSE and D
             mbarrier_init(do_empty(s), 4 * kConsumers);   // lane 0 of every consumer warp (dO: wgmma's reads)
         }
-        if constexpr (kIsQuerySplit) {
-            mbarrier_init(partial_full, 128 * kConsumers);  // every consumer thread of the other block
-            mbarrier_init(partial_read, 128 * kConsumers);
-        }
         fence_barrier_init();
         *sScaleLog2 = Mod(p.fwd, batch, head_k * group, mask.shift).score_log2(p.fwd);  // the same for every head
     }
     __syncthreads();
-    if constexpr (kIsQuerySplit) cluster_sync();  // the other block's barriers are initialized
 
     if (warpgroup == 0) {
         // [3] Producer: K and V, then the Q, dO tiles (TMA) and LSE, D rows of each query block into a free stage
@@ -502,7 +494,9 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
     named_barrier_sync(kDsReady, 128 * kConsumers);
     if constexpr (kIsQuerySplit) {
         // Rank 0's accumulators into its sK .. sdO (no wgmma reads them any more), 8 bytes per thread in turn
-        // (a warp's 256 contiguous bytes: no bank conflicts); rank 1 adds them to its own, read from there
+        // (a warp's 256 contiguous bytes: no bank conflicts); rank 1 adds them to its own, read from there.
+        // Two cluster barriers (of the consumers: the producers have exited): the partials are in; rank 1 has
+        // read them, so rank 0's shared memory may go.
         static_assert(128 * kConsumers * 4 * kNTilesD * 8 <= Smem::kdSs, "the partials fit over sK .. sdO");
         const unsigned partial = sK + (threadIdx.x - 128) * 8;  // consumer threads from 0
         constexpr unsigned kStride = 128 * kConsumers * 8;  // bytes from one pair of a thread's floats to its next
@@ -517,11 +511,11 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
                     asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(at + 2 * kStride), "f"(acc_dv[nd][2 * h]),
                                  "f"(acc_dv[nd][2 * h + 1]) : "memory");
                 }
-            mbarrier_arrive_remote(cluster_map(partial_full, 1));
-            mbarrier_wait_cluster(partial_read, 0);  // rank 1 has read them: this block's shared memory may go
+            cluster_sync();
+            cluster_sync();
             return;
         }
-        mbarrier_wait_cluster(partial_full, 0);
+        cluster_sync();
         const unsigned remote = cluster_map(partial, 0);
 #pragma unroll
         for (int nd = 0; nd < kNTilesD; ++nd)
@@ -532,7 +526,7 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
                 acc_dk[nd][2 * h] += k2.x, acc_dk[nd][2 * h + 1] += k2.y;
                 acc_dv[nd][2 * h] += v2.x, acc_dv[nd][2 * h + 1] += v2.y;
             }
-        mbarrier_arrive_remote(cluster_map(partial_read, 0));
+        cluster_arrive();  // its wait at the end of the kernel
     }
     const float dk_scale = static_cast<float>(p.fwd.softmax_scale);
     const float dv_scale = kIsDropout ? static_cast<float>(p.fwd.dropout_scale) : 1.f;
@@ -567,6 +561,7 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
             *reinterpret_cast<uint4*>(dv + key * p.dv_row_stride + chunk * 8) = v4;
         }
     }
+    if constexpr (kIsQuerySplit) cluster_wait();
 }
 
 }  // namespace cuflash

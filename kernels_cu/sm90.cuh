@@ -124,7 +124,9 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 // Thread block clusters: the blocks of a cluster (__cluster_dims__) run at once, on neighbouring SMs, and
 // reach each other's shared memory. cluster_rank is this block's place in its cluster; cluster_map gives the
 // address in block `rank`'s shared memory of what lies at `addr` in this one's (for ld.shared::cluster and
-// remote mbarrier arrivals); cluster_sync is a barrier of every thread of the cluster (none may have exited).
+// remote mbarrier arrivals). cluster_arrive and cluster_wait are the two halves of a barrier of the cluster's
+// threads that have not exited (release, acquire at cluster scope); cluster_sync both: a block whose shared
+// memory another reads must not exit before that one's arrival.
 __device__ __forceinline__ unsigned cluster_rank() {  // volatile: read again where used, not kept in a register
     unsigned rank;
     asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
@@ -135,19 +137,11 @@ __device__ __forceinline__ unsigned cluster_map(unsigned addr, unsigned rank) {
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(addr), "r"(rank));
     return out;
 }
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 __device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// Arrive on another block's mbarrier (a cluster_map address), releasing this thread's writes to the cluster;
-// the waiter acquires them with mbarrier_wait_cluster.
-__device__ __forceinline__ void mbarrier_arrive_remote(unsigned cluster_bar) {
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(cluster_bar) : "memory");
-}
-__device__ __forceinline__ void mbarrier_wait_cluster(unsigned bar, unsigned parity) {
-    unsigned done = 0;
-    while (!done)
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    cluster_arrive();
+    cluster_wait();
 }
 __device__ __forceinline__ float2 ld_cluster_f32x2(unsigned cluster_addr) {
     float2 x;

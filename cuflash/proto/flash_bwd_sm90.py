@@ -555,9 +555,9 @@ def make_flash_bwd_sm90(cfg):
         # completed (CUDA: named barrier kDsReady)
         cuda.syncthreads()
         if IS_QUERY_SPLIT:
-            # Rank 0's accumulators into `partial` (CUDA: its sK .. sdO; then an arrive on rank 1's partial_full,
-            # and a wait on partial_read until rank 1 has read them), rank 1 adds them to its own (CUDA: after a
-            # wait on partial_full, through the cluster's shared memory; then an arrive on rank 0's partial_read)
+            # Rank 0's accumulators into `partial` (CUDA: its sK .. sdO; then a cluster barrier, the partials
+            # are in, and another before it exits, rank 1 has read them), rank 1 adds them to its own (CUDA:
+            # after the first barrier, through the cluster's shared memory; then it arrives on the second)
             if rank == 0:
                 if consumer >= 0:
                     for j in range(D_CPT):
