@@ -334,7 +334,7 @@ def choose_forward(dtype, head_dim: int, variant: int, *, seqlen_k: int = 0, com
     if family == "sm90" and not hopper:
         raise ValueError("the sm90 kernel family cannot serve this call: "
                          + ("it needs compute capability 9.0" if compute_capability != 90
-                            else "varlen and KV-cache calls run on the mma family"))
+                            else "KV-cache calls run on the mma family"))
     cfg = _make("flash_fwd_sm90" if hopper and family != "mma" else "flash_fwd", dt, head_dim, variant)
     wide = _TILES_WIDE_KEYS.get(cfg.kernel, {}).get(cfg.head_dim)
     if wide and seqlen_k >= WIDE_KEYS_MIN and not variant & (HEAVY | LOCAL | WINDOW):
@@ -379,12 +379,12 @@ def choose_backward(dtype, head_dim: int, variant: int, *, key_slabs: int = 0, s
     return pre, main, post
 
 
-# What flash_fwd_sm90 does not serve (choose_forward sends it to flash_fwd): per-sequence row offsets and key
-# counts, whose tiles TMA boxes over the whole array would not respect.
-SM90_UNSERVED = VARLEN | SEQUSED | PAGED
-# flash_bwd_sm90 serves what flash_fwd_sm90 does (the softcap's derivative recovered from P at [7]: a tile of
-# it kept from [5] spilled at d = 128).
-SM90_BWD_UNSERVED = SM90_UNSERVED
+# What flash_fwd_sm90 does not serve (choose_forward sends it to flash_fwd): a KV cache's key counts and pages.
+# Varlen it serves, its packed arrays one entry to TMA (flash_fwd_sm90.cu).
+SM90_UNSERVED = SEQUSED | PAGED
+# flash_bwd_sm90 serves dense batches, with every variant but varlen (the softcap's derivative recovered from
+# P at [7]: a tile of it kept from [5] spilled at d = 128).
+SM90_BWD_UNSERVED = VARLEN | SEQUSED | PAGED
 
 
 def query_split(cfg: KernelConfig, blocks: int, sms: int) -> bool:

@@ -18,7 +18,9 @@
 //   Sm90FwdSmem.
 // Key blocks are visited from the last to the first (the masked ones first), as in flash_fwd.cu.
 //
-// Serves dense batches (no varlen, no KV cache); config.choose_forward sends the rest to flash_fwd.
+// Serves dense and varlen batches (no KV cache: config.choose_forward sends it to flash_fwd). Varlen arrays
+// are one packed entry to TMA, so a tile past a sequence's end holds the next sequence's rows: masked in S,
+// and zeroed in the V tile (`zero_v_tail`), since 0 * inf in P V would be NaN.
 #include "params.cuh"
 #include "common.cuh"
 #include "seqinfo.cuh"
@@ -51,7 +53,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_sm90(const __grid_c
     static_assert(kHeadDim % 64 == 0, "whole 128-byte swizzle slabs of 64 columns");
     constexpr int kConsumers = kNWarps / 4 - 1;
     static_assert(kBlockM == 64 * kConsumers, "one consumer warpgroup per 64 query rows");
-    static_assert((kVariant & (kVarlen | kSeqused | kPaged)) == 0, "dense batches only");
+    static_assert((kVariant & (kSeqused | kPaged)) == 0, "dense or varlen batches");
+    constexpr bool kIsVarlen = (kVariant & kVarlen) != 0;
     using Smem = Sm90FwdSmem<kHeadDim, kBlockM, kBlockN>;
     constexpr int kStages = Smem::kStages;
     constexpr int kNTilesS = kBlockN / 8;   // 8-key column groups of S
@@ -63,7 +66,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_sm90(const __grid_c
     constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32, kConsumerRegs = kConsumers == 2 ? 240 : 160;
     static_assert(kProducerRegs + kConsumers * kConsumerRegs <= (1 + kConsumers) * launch_regs(kNWarps * 32),
                   "setmaxnreg moves registers between warpgroups: no more than the launch gave them");
-    constexpr int kTurn = 1 + kConsumers;  // named barriers: 1 .. kConsumers for the store, then the turns
+    // named barriers: 1 .. kConsumers for the store, then the turns, then the consumers' zeroed V tail
+    constexpr int kTurn = 1 + kConsumers, kVTail = kTurn + kConsumers;
 
     unsigned dyn_smem;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
@@ -79,8 +83,11 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_sm90(const __grid_c
 
     // [1] Block coordinates: m_block, head, batch; the mask gives the key blocks to visit
     const int m_block = query_block<kVariant>(), head = blockIdx.y, batch = blockIdx.z;
-    const SeqInfo<false, false> seq(p, batch);
+    const SeqInfo<kIsVarlen, false> seq(p, batch);
     const int row_begin = m_block * kBlockM;
+    if (row_begin >= seq.seqlen_q) return;  // varlen: a shorter sequence than the grid's
+    // TMA coordinates (row, entry) of the entry's row 0: a varlen batch is one packed entry
+    const int q_row0 = seq.q_start, k_row0 = seq.k_start, tma_batch = kIsVarlen ? 0 : batch;
     const int head_k = head / (p.nheads / p.nheads_k);
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
     const Mask<kVariant> mask(p, seqlen_q, seqlen_k);
@@ -108,7 +115,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_sm90(const __grid_c
             mbarrier_arrive_expect_tx(q_full, Smem::kQ);
 #pragma unroll
             for (int slab = 0; slab < kHeadDim / 64; ++slab)
-                tma_load_4d(sQ + slab * kSlabQ, &params.tma_q, q_full, 64 * slab, row_begin, head, batch);
+                tma_load_4d(sQ + slab * kSlabQ, &params.tma_q, q_full, 64 * slab, q_row0 + row_begin, head,
+                            tma_batch);
             for (int i = 0, n_block = n_block_end - 1; n_block >= n_block_min; ++i, --n_block) {
                 const int s = i % kStages, use = i / kStages;
                 // each tile waits until the consumers are done with the stage's last use of it
@@ -117,13 +125,13 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_sm90(const __grid_c
 #pragma unroll
                 for (int slab = 0; slab < kHeadDim / 64; ++slab)
                     tma_load_4d(sK + s * Smem::kKV + slab * kSlabKV, &params.tma_k, k_full(s), 64 * slab,
-                                n_block * kBlockN, head_k, batch);
+                                k_row0 + n_block * kBlockN, head_k, tma_batch);
                 if (use > 0) mbarrier_wait(v_empty(s), (use - 1) & 1);
                 mbarrier_arrive_expect_tx(v_full(s), Smem::kKV);
 #pragma unroll
                 for (int slab = 0; slab < kHeadDim / 64; ++slab)
                     tma_load_4d(sV + s * Smem::kKV + slab * kSlabKV, &params.tma_v, v_full(s), 64 * slab,
-                                n_block * kBlockN, head_k, batch);
+                                k_row0 + n_block * kBlockN, head_k, tma_batch);
             }
         }
         return;
@@ -215,6 +223,22 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_sm90(const __grid_c
     auto release = [&](unsigned empty) {
         if (lane == 0) mbarrier_arrive(empty);
     };
+    // Varlen: the first key block visited (i = 0, the last of the range) may end past the sequence, its V
+    // rows there the next sequence's. The consumers zero them in stage 0 (each warpgroup a share of the
+    // 16-byte chunks), fence them to the async proxy that wgmma reads through, and wait for each other.
+    auto zero_v_tail = [&]() {
+        const int first = seqlen_k - (n_block_end - 1) * kBlockN;  // first row past the sequence
+        if (!kIsVarlen || first >= kBlockN) return;
+        mbarrier_wait(v_full(0), 0);
+        constexpr int kRowChunks = 8 * (kHeadDim / 64);  // 16-byte chunks of a row, over every slab
+        for (int c = consumer * 128 + tid; c < (kBlockN - first) * kRowChunks; c += 128 * kConsumers) {
+            const int r = first + c / kRowChunks, slab = c % kRowChunks / 8, chunk = c % 8;
+            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(sV + slab * kSlabKV + r * 128 + chunk * 16),
+                         "r"(0u) : "memory");
+        }
+        fence_proxy_async();
+        named_barrier_sync(kVTail, 128 * kConsumers);
+    };
     auto to_p_frag = [&]() {
 #pragma unroll
         for (int ks = 0; ks < kBlockN / 16; ++ks) acc_to_a<T>(p_frag[ks], acc_s[0][2 * ks], acc_s[0][2 * ks + 1]);
@@ -230,6 +254,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_sm90(const __grid_c
         release(k_empty(0));
         softmax_of(0);  // acc_o is still 0: no rescale
         to_p_frag();
+        zero_v_tail();
     }
     for (int i = 1; i < n_blocks; ++i) {
         // S of key block i and P V of block i - 1 in flight together; the softmax of S runs while P V completes

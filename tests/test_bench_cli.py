@@ -591,7 +591,7 @@ def test_every_gpu_suite_with_fakes(monkeypatch):
     assert fam[("cuflash", "bfloat16", "fwd")] == "sm90" and fam[("cuflash", "bfloat16", "fwd_bwd")] == "sm90"
     variants = {r["variant"]: r["family"] for r in doc["suites"]["variants"]["rows"]
                 if r["implementation"] == "cuflash" and r["mode"] == "fwd"}
-    assert variants["plain"] == "sm90" and variants["varlen"] == "mma"
+    assert variants["plain"] == "sm90" and variants["varlen"] == "sm90"
     fam = {(r["implementation"], r["dtype"]): r["family"] for r in rows}
     assert fam[("cuflash", "float32")] == "simt"
     assert any(c.family == "sm90" for c in compiled)

@@ -145,20 +145,22 @@ def test_tiles_are_consistent():
 
 
 def test_hopper_forward_choice():
-    """flash_fwd_sm90 serves 16-bit dense calls on compute capability 9.0 only; kernel_family forces a family."""
+    """flash_fwd_sm90 serves 16-bit dense and varlen calls on compute capability 9.0 only, no KV cache;
+    kernel_family forces a family."""
     on_h100 = lambda dt, v=0: config.choose_forward(dt, 128, v, compute_capability=90)  # noqa: E731
     assert on_h100("bfloat16").kernel == "flash_fwd_sm90" and on_h100("bfloat16").family == "sm90"
     assert on_h100("float32").family == "simt"
     assert config.choose_forward("bfloat16", 128, 0, compute_capability=80).family == "mma"
-    for unserved in (config.VARLEN, config.SEQUSED, config.SEQUSED | config.PAGED):
+    assert on_h100("float16", config.VARLEN | config.LOCAL).family == "sm90"
+    for unserved in (config.SEQUSED, config.SEQUSED | config.PAGED):
         assert on_h100("float16", unserved).family == "mma"
     assert config.choose_forward("float16", 96, 0, compute_capability=90).head_dim == 128  # whole 64-column slabs
     assert config.choose_forward("float16", 200, 0, compute_capability=90).head_dim == 256
     assert config.choose_forward("bfloat16", 128, 0, compute_capability=90, family="mma").family == "mma"
     with pytest.raises(ValueError, match="compute capability 9.0"):
         config.choose_forward("bfloat16", 128, 0, compute_capability=80, family="sm90")
-    with pytest.raises(ValueError, match="varlen"):
-        config.choose_forward("bfloat16", 128, config.VARLEN, compute_capability=90, family="sm90")
+    with pytest.raises(ValueError, match="KV-cache"):
+        config.choose_forward("bfloat16", 128, config.SEQUSED, compute_capability=90, family="sm90")
     with config.kernel_family("mma"):
         assert config.forced_family() == "mma"
     assert config.forced_family() is None

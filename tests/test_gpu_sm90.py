@@ -92,11 +92,42 @@ def test_broadcast_kv_heads(hopper):
 
 
 def test_forcing_sm90_where_it_cannot_serve_raises(hopper):
+    """The Hopper forward serves varlen; its backward does not."""
     cp = hopper.cp
     q, k, v = (x[0] for x in _qkv(hopper, "sm90-varlen", "bfloat16", 1, 64, 64, 2, 2, 64))
     cu = cp.asarray([0, 30, 64], dtype=cp.int32)
-    with cuflash.kernel_family("sm90"), pytest.raises(ValueError, match="sm90 kernel family cannot serve"):
-        cuflash.flash_attn_varlen(q, k, v, cu, cu, 34, 34)
+    with cuflash.kernel_family("sm90"):
+        o, lse = cuflash.flash_attn_varlen_forward(q, k, v, cu, cu, 34, 34)
+        with pytest.raises(ValueError, match="sm90 kernel family cannot serve this backward"):
+            cuflash.flash_attn_varlen_backward(o, q, k, v, o, lse, cu, cu, 34, 34)
+
+
+@pytest.mark.parametrize("d,cu_q,cu_k", [
+    (64, [0, 100, 100, 357, 700], [0, 130, 250, 517, 610]),
+    (128, [0, 100, 100, 357, 700], [0, 130, 250, 517, 610]),
+    (128, [0, 300, 600], [0, 4100, 4300]),  # WIDE_KEYS_MIN keys or more: 176-key blocks where not causal
+])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_forward_on_the_hopper_kernel(hopper, d, cu_q, cu_k, causal):
+    """Packed sequences (an empty one; tiles that run past a sequence into the next; causal rows that see no
+    key) on flash_fwd_sm90: each sequence meets the accuracy rule against the reference of its rows alone. The
+    first sequence's last key tile reaches into the second, whose V holds an inf: the first stays finite (its
+    tile's V rows past its end are zeroed, not multiplied by P = 0)."""
+    cp = hopper.cp
+    q, k, v = (x[0] for x in _qkv(hopper, f"sm90-varlen-{d}-{len(cu_k)}-{causal}", "bfloat16", 1, cu_q[-1],
+                                  cu_k[-1], 4, 2, d))
+    v[cu_k[1] + 3, 1, 5] = float("inf")
+    cus = [cp.asarray(c, dtype=cp.int32) for c in (cu_q, cu_k)]
+    lengths = [max(b - a for a, b in zip(c, c[1:])) for c in (cu_q, cu_k)]
+    with cuflash.kernel_family("sm90"):
+        o, lse = cuflash.flash_attn_varlen_forward(q, k, v, *cus, *lengths, causal=causal)
+    for i in range(len(cu_q) - 1):
+        (q0, q1), (k0, k1) = (cu_q[i], cu_q[i + 1]), (cu_k[i], cu_k[i + 1])
+        if i == 1 or q1 == q0:  # the sequence holding the inf: not finite, as its reference
+            continue
+        err, bound, lse_err = _forward_error(hopper, "bfloat16", causal, q[None, q0:q1], k[None, k0:k1],
+                                             v[None, k0:k1], o[None, q0:q1], lse[None, :, q0:q1])
+        assert err <= bound and lse_err <= 1e-4, f"sequence {i}: o error {err:.3e} (bound {bound:.3e}), lse {lse_err:.3e}"
 
 
 def _training_step(gpu, dtype, causal, key, b, sq, sk, h, hk, d):

@@ -157,7 +157,8 @@ def test_varlen_params_are_packed():
 
 def test_tensor_map_geometry():
     """The tensor maps of the Hopper kernels (cuflash/_tma.py): innermost first, byte strides, boxes of 64
-    columns; a dimension of extent 1 gets a valid stride, an empty one is described as one row."""
+    columns; a dimension of extent 1 gets a valid stride, an empty one is described as one row; a varlen
+    call's packed arrays are one entry."""
     from cuflash import _tma
 
     p = np.zeros((), dtype=_params.FWD_PARAMS)
@@ -168,6 +169,10 @@ def test_tensor_map_geometry():
     dims, strides, box = _tma.geometry(p, "k", 176)
     assert dims == (96, 1, 1, 2) and strides == (16, 16, 1000 * 96 * 2) and box == (64, 176, 1, 1)
     assert _params.FWD_SM90_PARAMS.fields["tma_q"][1] % 64 == 0
+    # varlen: the packed array is one entry of all its rows (batch stride 0, so the batch dimension's stride
+    # is only valid), whatever seqlen_q (the longest sequence) and batch (the sequences) say
+    p["q_batch_stride"] = 0
+    assert _tma.geometry(p, "q", 128, packed_rows=700) == ((96, 700, 8, 1), (8 * 96 * 2, 96 * 2, 16), (64, 128, 1, 1))
     # the backward's dout map: its pointer and strides from BwdParams, the rest from BwdParams.fwd
     pb = np.zeros((), dtype=_params.BWD_PARAMS)
     pb["fwd"] = p

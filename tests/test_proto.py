@@ -75,7 +75,9 @@ API_VARLEN_CASE = (2, 1, 8, "float32", [0, 5, 9], [0, 3, 9],
 # head dim is the compiled one (64, 128, 256) the call's rounds up to. stages: the ring's depth (None: the
 # kernel's, config.sm90_stages, 4 at these tiles); 2 or 3 with more key blocks than that sends each stage
 # round the ring (the producer waits on k_empty / v_empty). Plain cases against cuflash.reference, those
-# with variants (VARIANT_CASES' keywords) against the NumPy backend.
+# with variants (VARIANT_CASES' keywords) against the NumPy backend. "varlen": (cu_seqlens_q, cu_seqlens_k)
+# over packed arrays of seqlen_q and seqlen_k rows; key rows past cu_seqlens_k[-1] belong to no sequence and
+# hold inf in V, which a tile reaching them must not bring into P V (zero_v_tail).
 SM90_CASES = {
     "sm90_f32_d40_causal_sq_lt_sk_ring2": (1, 20, 37, 1, 1, 40, True, "float32", (64, 64, 16, 8), 2, {}),
     "sm90_f32_two_consumers_gqa_ring2": (1, 72, 70, 2, 1, 64, False, "float32", (64, 128, 16, 12), 2, {}),
@@ -88,6 +90,14 @@ SM90_CASES = {
                                           {"window": (10, -1), "softcap": 2.0}),
     "sm90_f16_alibi_dropout_batch2": (2, 24, 50, 2, 2, 32, False, "float16", (64, 64, 32, 8), 2,
                                       {"alibi": (2, 2), "dropout_p": 0.3, "seed": 0xABCDEF12345, "offset": 3}),
+    # tails inside the packed keys (sequence 0's last tile reads sequence 1's rows) and past the last sequence
+    # (rows 25..29: inf in V), an empty query sequence
+    "sm90_f32_varlen_tails_gqa": (3, 30, 30, 2, 1, 64, False, "float32", (64, 64, 16, 8), 2,
+                                  {"varlen": ([0, 7, 7, 30], [0, 12, 17, 25])}),
+    # two query blocks for sequence 1 (sequence 0's second one returns at once), bottom-right causal per sequence
+    "sm90_f16_varlen_causal_alibi_dropout": (2, 90, 72, 1, 1, 32, True, "float16", (64, 64, 32, 8), 2,
+                                             {"varlen": ([0, 20, 90], [0, 45, 70]), "alibi": (1,), "dropout_p": 0.2,
+                                              "seed": 99}),
 }
 
 # proto/flash_bwd_sm90.py (between flash_bwd.py's preprocess and postprocess), backward only: name -> (batch,
@@ -248,9 +258,11 @@ def _variant_inputs(seed, case):
 
 
 def _sm90_variant_case(case):
-    """A SM90_CASES entry as a VARIANT_CASES one (dense), for _variant_inputs and _numpy_backend."""
+    """A SM90_CASES entry as a VARIANT_CASES one (its "varlen" in the varlen slot), for _variant_inputs and
+    _numpy_backend."""
     b, sq, sk, h, hk, d, causal, dt, tile, _, variants = case
-    return b, sq, sk, h, hk, d, causal, dt, tile, variants, None
+    varlen = variants.get("varlen")
+    return b, sq, sk, h, hk, d, causal, dt, tile, {k: x for k, x in variants.items() if k != "varlen"}, varlen
 
 
 def _sm90_bwd_variant_case(case):
@@ -276,9 +288,9 @@ def _sm90_bwd_turns(case):
     return turns
 
 
-def _sm90_forward(q, k, v, *, causal, softmax_scale, cfg, stages=None, **variants):
-    """(o, lse) of proto/flash_fwd_sm90.py, launched as the Numba backend launches flash_fwd (its _forward,
-    dense), with the same arguments."""
+def _sm90_forward(q, k, v, *, causal, softmax_scale, cfg, stages=None, varlen=None, **variants):
+    """(o, lse) of proto/flash_fwd_sm90.py, launched as the Numba backend launches flash_fwd (its _forward),
+    with the same arguments (varlen: packed (1, total, heads, head_dim) arrays)."""
     import functools
 
     from cuflash.backends import numba as nb
@@ -286,13 +298,14 @@ def _sm90_forward(q, k, v, *, causal, softmax_scale, cfg, stages=None, **variant
     from cuflash.proto.flash_fwd_sm90 import make_flash_fwd_sm90
 
     dt = dtype_name(q.dtype)
-    b, sq, h, _ = q.shape
+    slabs, rows, h, _ = q.shape
+    batch, grid_sq, _ = nb._grid_sizes(q, k, varlen)
     launcher = nb._Launcher()
     o = np.empty(q.shape, np.float32 if dt == "bfloat16" else q.dtype)
-    lse = np.empty((b, h, sq), np.float64 if dt == "float64" else np.float32)
-    launcher.launch(functools.partial(make_flash_fwd_sm90, stages=stages), cfg, (-(-sq // cfg.block_m), h, b),
+    lse = np.empty((slabs, h, rows), np.float64 if dt == "float64" else np.float32)
+    launcher.launch(functools.partial(make_flash_fwd_sm90, stages=stages), cfg, (-(-grid_sq // cfg.block_m), h, batch),
                     launcher.inp(q), launcher.inp(k), launcher.inp(v), o, lse, *nb._scales(dt, softmax_scale),
-                    *nb._variant_args(launcher, np, dt, h, causal, **variants),
+                    *nb._variant_args(launcher, np, dt, h, causal, varlen, **variants),
                     np.zeros(1, dtype=np.int32), np.zeros((1, 1), dtype=np.int32))
     return nb._finish(None, o, q.dtype), lse
 
@@ -341,11 +354,11 @@ def _sm90_backward(do, q, k, v, o, lse, *, causal, softmax_scale, cfg, determini
 
 def _sm90_refusals() -> list[str]:
     """make_flash_fwd_sm90 refuses what the CUDA kernel does not serve or cannot be built for."""
-    from cuflash.config import PAGED, SEQUSED, VARLEN, KernelConfig
+    from cuflash.config import PAGED, SEQUSED, KernelConfig
     from cuflash.proto.flash_fwd_sm90 import make_flash_fwd_sm90
 
     fails = []
-    bad = [KernelConfig("flash_fwd_sm90", "float16", 64, 128, 64, 12, bits) for bits in (VARLEN, SEQUSED, PAGED)]
+    bad = [KernelConfig("flash_fwd_sm90", "float16", 64, 128, 64, 12, bits) for bits in (SEQUSED, PAGED)]
     bad += [KernelConfig("flash_fwd", "float16", 64, 128, 64, 12, 0),  # another kernel
             KernelConfig("flash_fwd_sm90", "float16", 64, 96, 64, 12, 0),  # block_m not whole warpgroups
             KernelConfig("flash_fwd_sm90", "float16", 64, 128, 64, 8, 0),  # one warpgroup short
@@ -447,10 +460,19 @@ def _sm90_case(name, seed):
 
     case = SM90_CASES[name]
     b, sq, sk, h, hk, d, causal, dt, (cd, bm, bn, warps), stages, _ = case
+    varlen = _sm90_variant_case(case)[10]
     q, k, v, _, kw = _variant_inputs(seed, _sm90_variant_case(case))
-    cfg = KernelConfig("flash_fwd_sm90", dt, cd, bm, bn, warps, _params.variant(causal, **kw))
-    o, lse = _sm90_forward(q, k, v, causal=causal, softmax_scale=1.0 / math.sqrt(d), cfg=cfg, stages=stages, **kw)
-    return {"o": o, "lse": lse}
+    packed = None
+    if varlen is not None:
+        cu_q, cu_k = (np.array(c, dtype=np.int32) for c in varlen)
+        packed = (cu_q, cu_k, int(np.diff(cu_q).max()), int(np.diff(cu_k).max()))
+        v = v.copy()
+        v[cu_k[-1]:] = np.inf  # rows of no sequence
+        q, k, v = (x[None] for x in (q, k, v))
+    cfg = KernelConfig("flash_fwd_sm90", dt, cd, bm, bn, warps, _params.variant(causal, packed, **kw))
+    o, lse = _sm90_forward(q, k, v, causal=causal, softmax_scale=1.0 / math.sqrt(d), cfg=cfg, stages=stages,
+                           varlen=packed, **kw)
+    return {"o": o[0], "lse": lse[0]} if packed else {"o": o, "lse": lse}
 
 
 def _sm90_bwd_case(name, seed):
@@ -749,10 +771,10 @@ def test_sim_sm90_forward(sim, name):
     q, k, v, do, kw = _variant_inputs(seed, _sm90_variant_case(case))
     o, lse = sim[f"{name}/o"], sim[f"{name}/lse"]
     assert o.shape == q.shape and o.dtype == q.dtype
-    assert lse.shape == (b, h, sq) and lse.dtype == np.float32
-    if variants:
+    if variants:  # varlen too: lse (h, total_q)
         _compare_with_numpy(sim, name, _numpy_backend(_sm90_variant_case(case), seed), dt, keys=("o", "lse"))
         return
+    assert lse.shape == (b, h, sq) and lse.dtype == np.float32
     scale = 1.0 / math.sqrt(d)
     rows = np.arange(sq)
     empty = (np.minimum(sk, rows + 1 + sk - sq) <= 0) if causal else np.full(sq, sk == 0)
@@ -771,7 +793,7 @@ def test_sim_sm90_forward(sim, name):
 
 
 def test_sim_sm90_refusals(sim):
-    """make_flash_fwd_sm90 raises ValueError for varlen, seqused, paged, another kernel, a block_m or warps that
+    """make_flash_fwd_sm90 raises ValueError for seqused, paged, another kernel, a block_m or warps that
     are not whole warpgroups, a head_dim that is not whole 64-column slabs, a ring of one stage."""
     failure = str(sim["sm90_refusals/failure"])
     assert not failure, failure

@@ -122,7 +122,8 @@ def forward_launches(q, k, v, o, lse, *, causal: bool, softmax_scale: float, var
     if cfg.family == "sm90":
         try:
             boxes = {"q": cfg.block_m, "k": cfg.block_n, "v": cfg.block_n}
-            return TmaLaunches(_tma.SM90Params(_params.FWD_SM90_PARAMS, p, cfg.dtype, boxes),
+            packed = None if varlen is None else {name: a.shape[1] for name, a in (("q", q), ("k", k), ("v", v))}
+            return TmaLaunches(_tma.SM90Params(_params.FWD_SM90_PARAMS, p, cfg.dtype, boxes, packed),
                                [(cfg, (ceil_div(sq, cfg.block_m), h, b))])
         except _tma.Unencodable:  # strides TMA cannot take (e.g. 0 for a broadcast head): the mma.sync kernel
             if forced_family() == "sm90":

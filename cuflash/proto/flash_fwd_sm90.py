@@ -8,8 +8,10 @@ accumulator type are closure constants. Launch and arguments are make_flash_fwd'
     grid (ceil(seqlen_q / block_m), nheads, batch), block (warps * 32,)
     kernel[grid, block](q, k, v, o, lse, softmax_scale, scale_log2, *variant_args)
 
-Dense batches only, as the CUDA kernel (LOCAL, WINDOW, SOFTCAP, ALIBI, DROPOUT; config.SM90_UNSERVED raises):
-cu_seqlens_q / cu_seqlens_k, seqused_k and block_table are taken and never read.
+Dense and varlen batches, as the CUDA kernel (LOCAL, WINDOW, SOFTCAP, ALIBI, DROPOUT, VARLEN;
+config.SM90_UNSERVED raises): seqused_k and block_table are taken and never read. As TMA sees them, varlen's
+packed arrays are one entry: a tile past a sequence's end loads the next sequence's rows (zeros only past
+the array), masked in S and zeroed in the V tile by the consumers (zero_v_tail).
 
 Roles, as in CUDA. Warpgroup 0 is the producer: its thread 0 copies the Q tile once, then K and V of
 each key block (last to first) into a ring of kStages stages (Sm90FwdSmem::kStages, config.sm90_stages),
@@ -57,11 +59,11 @@ import math
 
 from numba import cuda, int32, uint64
 
-from ..config import PAGED, SEQUSED, SM90_UNSERVED, VARLEN, longest_first, sm90_stages
+from ..config import PAGED, SEQUSED, SM90_UNSERVED, longest_first, sm90_stages
 from .dropout import keep
 from .flash_fwd import LOG2E, acc_type, load_tile, thread_layout, variant_flags
 from .mask import n_block_range, needs_mask, score_mod, score_mod_init, visible
-from .seqinfo import seq_info
+from .seqinfo import batch_index, seq_info
 from .softmax import softmax_finalize, softmax_init, softmax_rescale, softmax_update_correction
 
 WARPGROUP = 128  # threads
@@ -99,8 +101,8 @@ def make_flash_fwd_sm90(cfg, stages=None):
     if cfg.kernel != "flash_fwd_sm90":
         raise ValueError(f"make_flash_fwd_sm90 builds flash_fwd_sm90, not {cfg.kernel}")
     if cfg.variant & SM90_UNSERVED:
-        names = [n for bit, n in ((VARLEN, "varlen"), (SEQUSED, "seqused"), (PAGED, "paged")) if cfg.variant & bit]
-        raise ValueError(f"flash_fwd_sm90 serves dense batches only, not {', '.join(names)}")
+        names = [n for bit, n in ((SEQUSED, "seqused"), (PAGED, "paged")) if cfg.variant & bit]
+        raise ValueError(f"flash_fwd_sm90 serves no KV cache: not {', '.join(names)}")
     if cfg.block_m <= 0 or cfg.block_m % WG_ROWS or cfg.warps != 4 * (1 + cfg.block_m // WG_ROWS):
         raise ValueError(f"flash_fwd_sm90: block_m must be a multiple of {WG_ROWS} and warps 4 * (1 + block_m / "
                          f"{WG_ROWS}) (a producer and one consumer warpgroup per {WG_ROWS} rows), got "
@@ -115,7 +117,7 @@ def make_flash_fwd_sm90(cfg, stages=None):
     BLOCK_N = cfg.block_n
     CONSUMERS = cfg.warps // 4 - 1  # kConsumers
     LONGEST_FIRST = longest_first(cfg.variant)  # mask.cuh query_block
-    IS_LOCAL, IS_SOFTCAP, IS_ALIBI, IS_DROPOUT, _, TRANSFORM = variant_flags(cfg)
+    IS_LOCAL, IS_SOFTCAP, IS_ALIBI, IS_DROPOUT, IS_VARLEN, TRANSFORM = variant_flags(cfg)
     ACC = acc_type(cfg.dtype)
     # A consumer thread's share of its warpgroup's 64 rows: rows row0 + r * ROW_STRIDE, columns lane + j * TPR
     TPR, ROW_STRIDE, RPT, S_CPT = thread_layout(WG_ROWS, BLOCK_N, WARPGROUP)
@@ -150,22 +152,25 @@ def make_flash_fwd_sm90(cfg, stages=None):
         m_block = cuda.gridDim.x - 1 - cuda.blockIdx.x if LONGEST_FIRST else cuda.blockIdx.x
         head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
-        _, _, seqlen_q, seqlen_k = seq_info(False, cu_seqlens_q, cu_seqlens_k, batch, q.shape[1], k.shape[1])
+        q_start, k_start, seqlen_q, seqlen_k = seq_info(IS_VARLEN, cu_seqlens_q, cu_seqlens_k, batch, q.shape[1],
+                                                        k.shape[1])
         head_k = head // (q.shape[2] // k.shape[2])  # GQA
         n_block_min, n_block_end = n_block_range(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k,
                                                  BLOCK_M, BLOCK_N, m_block)
-        return m_block, head, batch, head_k, seqlen_q, seqlen_k, n_block_min, n_block_end
+        return (m_block, head, batch, head_k, q_start, k_start, seqlen_q, seqlen_k, n_block_min,
+                n_block_end)
 
     @cuda.jit(device=True)
-    def producer(tile, bars, sQ, sK, sV, q, k, v, batch, head, head_k, row_begin, seqlen_q, seqlen_k,
-                 n_block_end, n_blocks):
+    def producer(tile, bars, sQ, sK, sV, q, k, v, tma_batch, head, head_k, q_row0, k_row0, row_begin, n_block_end,
+                 n_blocks):
         # [2] Producer: the Q tile, then K and V of each key block into a free stage of the ring (TMA)
         # The CUDA producer's copies in its order, from copy `tile` on: -1 the Q tile, 2 i K of key block i
         # (n_block = n_block_end - 1 - i), 2 i + 1 its V. Returns the first copy it could not issue yet
         # (its stage still in use: CUDA's producer blocks there in mbarrier_wait), or 2 n_blocks: all issued.
+        # Rows are the array's (TMA's box): from the entry's row q_row0 / k_row0, zeros past the array only.
         head_dim = q.shape[3]
         if tile < 0:
-            load_tile(sQ, q, batch, row_begin, head, seqlen_q, head_dim, 0, 1)  # CUDA: TMA, one box per slab
+            load_tile(sQ, q, tma_batch, q_row0 + row_begin, head, q.shape[1], head_dim, 0, 1)  # CUDA: TMA
             mbarrier_arrive(bars, Q_FULL)
             tile = 0
         while tile < 2 * n_blocks:
@@ -177,12 +182,12 @@ def make_flash_fwd_sm90(cfg, stages=None):
             if tile % 2 == 0:
                 if use > 0 and not mbarrier_try_wait(bars, k_empty(stage), use - 1, EMPTY_COUNT):
                     break
-                load_tile(sK[stage], k, batch, key0, head_k, seqlen_k, head_dim, 0, 1)  # CUDA: TMA into k_full
+                load_tile(sK[stage], k, tma_batch, k_row0 + key0, head_k, k.shape[1], head_dim, 0, 1)  # CUDA: TMA
                 mbarrier_arrive(bars, k_full(stage))
             else:
                 if use > 0 and not mbarrier_try_wait(bars, v_empty(stage), use - 1, EMPTY_COUNT):
                     break
-                load_tile(sV[stage], v, batch, key0, head_k, seqlen_k, head_dim, 0, 1)  # CUDA: TMA into v_full
+                load_tile(sV[stage], v, tma_batch, k_row0 + key0, head_k, k.shape[1], head_dim, 0, 1)  # CUDA: TMA
                 mbarrier_arrive(bars, v_full(stage))
             tile += 1
         return tile
@@ -255,6 +260,18 @@ def make_flash_fwd_sm90(cfg, stages=None):
             mbarrier_arrive(bars, empty)
 
     @cuda.jit(device=True)
+    def zero_v_tail(bars, sV, seqlen_k, n_block_end, consumer, tid):
+        # Varlen: the first key block visited (i = 0) may end past the sequence, its V rows there the next
+        # sequence's; the consumers zero them in stage 0 (CUDA: 16-byte stores shared out over the consumer
+        # warpgroups, fence.proxy.async, a named barrier of theirs; here the caller's syncthreads)
+        first = seqlen_k - (n_block_end - 1) * BLOCK_N  # first row past the sequence
+        if not IS_VARLEN or first >= BLOCK_N:
+            return
+        mbarrier_wait(bars, v_full(0), 0, FULL_COUNT)
+        for e in range(consumer * WARPGROUP + tid, (BLOCK_N - first) * HEAD_DIM, WARPGROUP * CONSUMERS):
+            sV[0, first + e // HEAD_DIM, e % HEAD_DIM] = 0
+
+    @cuda.jit(device=True)
     def to_p_frag(acc_s, sP, row0, lane):
         # P of the last key block as the next P V's A operand (CUDA: p_frag, this thread's registers)
         for r in range(acc_s.shape[0]):
@@ -272,9 +289,12 @@ def make_flash_fwd_sm90(cfg, stages=None):
         sRed = cuda.shared.array((BLOCK_M, TPR), ACC)
         bars = cuda.shared.array(N_BARS, int32)
 
-        m_block, head, batch, head_k, seqlen_q, seqlen_k, n_block_min, n_block_end = block_coordinates(
-            q, k, cu_seqlens_q, cu_seqlens_k, window_left, window_right)
+        (m_block, head, batch, head_k, q_start, k_start, seqlen_q, seqlen_k, n_block_min,
+         n_block_end) = block_coordinates(q, k, cu_seqlens_q, cu_seqlens_k, window_left, window_right)
         row_begin = m_block * BLOCK_M
+        if row_begin >= seqlen_q:
+            return  # varlen: a shorter sequence than the grid's
+        bidx = batch_index(IS_VARLEN, batch)  # CUDA: tma_batch, the entry's index in the arrays
         n_blocks = n_block_end - n_block_min
         warpgroup = cuda.threadIdx.x // WARPGROUP
 
@@ -287,7 +307,7 @@ def make_flash_fwd_sm90(cfg, stages=None):
         # returns). Here its thread 0 fills the ring now and goes on after each phase below.
         tile = -1
         if cuda.threadIdx.x == 0:
-            tile = producer(tile, bars, sQ, sK, sV, q, k, v, batch, head, head_k, row_begin, seqlen_q, seqlen_k,
+            tile = producer(tile, bars, sQ, sK, sV, q, k, v, bidx, head, head_k, q_start, k_start, row_begin,
                             n_block_end, n_blocks)
         cuda.syncthreads()  # the copies have landed (CUDA: the consumers wait on q_full, k_full, v_full)
 
@@ -337,10 +357,12 @@ def make_flash_fwd_sm90(cfg, stages=None):
                 softmax_rescale(acc_o, correction)
             cuda.syncthreads()  # every P V of block i - 1 has read sP
             to_p_frag(acc_s, sP, row0, lane)
+            if consumer >= 0 and i == 0:
+                zero_v_tail(bars, sV, seqlen_k, n_block_end, consumer, tid)
             cuda.syncthreads()  # end of the phase: the releases are in
             if cuda.threadIdx.x == 0:
-                tile = producer(tile, bars, sQ, sK, sV, q, k, v, batch, head, head_k, row_begin, seqlen_q,
-                                seqlen_k, n_block_end, n_blocks)
+                tile = producer(tile, bars, sQ, sK, sV, q, k, v, bidx, head, head_k, q_start, k_start, row_begin,
+                                n_block_end, n_blocks)
             cuda.syncthreads()  # and the copies they allowed have landed
         if consumer >= 0 and n_blocks > 0:
             issue_pv(n_blocks - 1, acc_o, bars, sP, sV, row0, lane)
@@ -361,11 +383,11 @@ def make_flash_fwd_sm90(cfg, stages=None):
                 r = wg_row0 + e // HEAD_DIM
                 c = e % HEAD_DIM
                 if row_begin + r < seqlen_q and c < head_dim:
-                    o[batch, row_begin + r, head, c] = sQ[r, c]
+                    o[bidx, q_start + row_begin + r, head, c] = sQ[r, c]
             if lane == 0:
                 for r in range(rows):
                     row = row_begin + row0 + r * ROW_STRIDE
                     if row < seqlen_q:
-                        lse[batch, head, row] = lse_rows[r]
+                        lse[bidx, head, q_start + row] = lse_rows[r]
 
     return flash_fwd_sm90
