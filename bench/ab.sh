@@ -5,8 +5,8 @@
 # against, made here and carried with the working tree (an untracked folder travels):
 #   git archive REV cuflash kernels_cu bench pyproject.toml | (mkdir -p _old && tar -x -C _old)
 #   OLD=_old bash bench/ab.sh causal full det bwd fwd      # on the device, after installing the wheels
-# Stages: causal / full (`cuflash bench --suite seqlen` against cuDNN, with or without --no-causal), det
-# (bench/deterministic.py), bwd / fwd (bench/families.py). Output: $OUT/ab.tgz holding <stage>-<tree>.json
+# Stages: causal / full (`cuflash bench --suite seqlen` against cuDNN, with or without --no-causal), variants
+# (`cuflash bench --suite variants`, cuflash alone), det (bench/deterministic.py), bwd / fwd (bench/families.py). Output: $OUT/ab.tgz holding <stage>-<tree>.json
 # and .log, and ab.txt (each run's exit status and the seconds since the start).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; ROOT=$PWD; OLD=$(cd "${OLD:?OLD: the folder of the tree to compare against}" && pwd)
@@ -29,6 +29,7 @@ for stage in "$@"; do
                 --json "$json" ;;
       full) run "$tree" "$stage" python3 -m cuflash bench --suite seqlen --no-causal --backends cuflash,torch-cudnn \
               --json "$json" ;;
+      variants) run "$tree" "$stage" python3 -m cuflash bench --suite variants --backends cuflash --json "$json" ;;
       det) run "$tree" "$stage" python3 bench/deterministic.py "$json" ;;
       bwd | fwd) run "$tree" "$stage" python3 bench/families.py "$stage" "$json" ;;
       *) echo "unknown stage $stage" | tee -a "$WORK/ab.txt" ;;
