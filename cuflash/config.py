@@ -365,7 +365,8 @@ def choose_backward(dtype, head_dim: int, variant: int, *, key_slabs: int = 0, s
     if family == "sm90" and not hopper:
         raise ValueError("the sm90 kernel family cannot serve this backward: "
                          + ("it needs compute capability 9.0" if compute_capability != 90
-                            else "varlen and head dims over 128 run on the mma family"))
+                            else "head dims over 128, KV caches and varlen with ALiBi and dropout run on the "
+                                 "mma family"))
     if hopper and family != "mma":
         main = _make("flash_bwd_sm90", dt, head_dim, variant)
         if sms and not variant & DETERMINISTIC and query_split(main, key_slabs * ceil_div(seqlen_k, main.block_n),
@@ -382,9 +383,11 @@ def choose_backward(dtype, head_dim: int, variant: int, *, key_slabs: int = 0, s
 # What flash_fwd_sm90 does not serve (choose_forward sends it to flash_fwd): a KV cache's key counts and pages.
 # Varlen it serves, its packed arrays one entry to TMA (flash_fwd_sm90.cu).
 SM90_UNSERVED = SEQUSED | PAGED
-# flash_bwd_sm90 serves dense batches, with every variant but varlen (the softcap's derivative recovered from
-# P at [7]: a tile of it kept from [5] spilled at d = 128).
-SM90_BWD_UNSERVED = VARLEN | SEQUSED | PAGED
+# flash_bwd_sm90 serves what flash_fwd_sm90 does (the softcap's derivative recovered from P at [7]: a tile of
+# it kept from [5] spilled at d = 128), except varlen with ALiBi and dropout together: at d = 128 those spill
+# (4 to 40 bytes, NVRTC 13.0), as the same variants dense do not.
+SM90_BWD_UNSERVED = SM90_UNSERVED
+SM90_BWD_VARLEN_UNSERVED = ALIBI | DROPOUT
 
 
 def query_split(cfg: KernelConfig, blocks: int, sms: int) -> bool:
@@ -410,7 +413,8 @@ def backward_grid(cfg: KernelConfig, nheads_k: int, seqlen_k: int, batch: int) -
 
 def sm90_serves_backward(head_dim: int, variant: int) -> bool:
     """Does flash_bwd_sm90 serve a backward call? (else flash_bwd does; README Limits lists these)"""
-    return head_dim <= max(_TILES["flash_bwd_sm90"]) and not variant & SM90_BWD_UNSERVED
+    return (head_dim <= max(_TILES["flash_bwd_sm90"]) and not variant & SM90_BWD_UNSERVED
+            and not (variant & VARLEN and variant & SM90_BWD_VARLEN_UNSERVED == SM90_BWD_VARLEN_UNSERVED))
 
 
 # Decoding over a KV cache (flash_decode, flash_attn_with_kvcache): the query heads of a GQA group are packed
@@ -531,8 +535,9 @@ GATED_DECODE_VARIANTS = (SEQUSED, SEQUSED | PAGED, KVCACHE_VARIANTS & ~(ALIBI | 
 def all_configs() -> list[KernelConfig]:
     """The configs the compile gate checks and `cuflash compile` builds (GATED_VARIANTS, with the backward's
     small-grid tiles, and GATED_FORWARD_VARIANTS for the forward, GATED_DECODE_VARIANTS for flash_decode (with
-    its combine); the Hopper kernels' for GATED_VARIANTS, ALL_VARIANTS less what they do not serve, and the
-    backward's QUERY_SPLIT plain, causal and with every variant but DETERMINISTIC)."""
+    its combine); the Hopper kernels' for GATED_VARIANTS, ALL_VARIANTS less what they do not serve (the
+    backward: dense, and varlen without ALiBi or without dropout), and the backward's QUERY_SPLIT plain, causal
+    and with those but DETERMINISTIC)."""
     out: list[KernelConfig] = []
     for dt in DTYPES:
         for d in HEAD_DIMS:
@@ -545,10 +550,10 @@ def all_configs() -> list[KernelConfig]:
             out.extend(c for pair in decode if pair for c in pair if c not in out)
             hopper = [choose_forward(dt, d, v, compute_capability=90) for v in (0, LOCAL, ALL_VARIANTS & ~SM90_UNSERVED)]
             hopper.append(choose_forward(dt, d, 0, compute_capability=90, seqlen_k=WIDE_KEYS_MIN))
-            bwd_all = ALL_VARIANTS & ~SM90_BWD_UNSERVED
-            hopper += [choose_backward(dt, d, v, compute_capability=90)[1]
-                       for v in (0, LOCAL, bwd_all)]
+            # the most registers flash_bwd_sm90 serves: every variant dense, varlen without ALiBi or dropout
+            heaviest = [ALL_VARIANTS & ~SM90_BWD_UNSERVED & ~bit for bit in (VARLEN, ALIBI, DROPOUT)]
+            hopper += [choose_backward(dt, d, v, compute_capability=90)[1] for v in (0, LOCAL, *heaviest)]
             hopper += [choose_backward(dt, d, v, compute_capability=90, key_slabs=1, seqlen_k=1, sms=1 << 20)[1]
-                       for v in (0, LOCAL, bwd_all & ~DETERMINISTIC)]  # QUERY_SPLIT
+                       for v in (0, LOCAL, *(v & ~DETERMINISTIC for v in heaviest))]  # QUERY_SPLIT
             out.extend(c for c in hopper if c not in out)
     return out

@@ -36,7 +36,9 @@
 //   mbarriers kv_full, q_full[kStages], do_full[kStages], q_empty[kStages], do_empty[kStages]. config.smem_bytes
 //   mirrors it. kQuerySplit: rank 0's dK, dV partials, at the end, over sK, sV, sQ and sdO.
 //
-// Serves dense batches (config.choose_backward sends varlen to flash_bwd).
+// Serves dense and varlen batches. Varlen arrays are one packed entry to TMA (as in flash_fwd_sm90.cu), so the
+// tiles that run past a sequence's end hold the next sequence's rows: the consumers zero them (K, V once; Q,
+// dO of a sequence's last query block), so that the P = 0 and dS = 0 there are not NaN where an inf lies.
 #include "params.cuh"
 #include "common.cuh"
 #include "seqinfo.cuh"
@@ -80,7 +82,8 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
     static_assert(kDqTiles == kConsumers || kDqTiles == 1, "dQ: a 64 x 64 tile per consumer, or one in all");
     constexpr bool kDqOwnKeys = kDqTiles == 1;
     static_assert(!kDqOwnKeys || kConsumers == 2, "d = 64: the partials of two consumers, half the rows each");
-    static_assert((kVariant & (kVarlen | kSeqused | kPaged)) == 0, "dense batches: TMA boxes over whole arrays");
+    static_assert((kVariant & (kSeqused | kPaged)) == 0, "dense or varlen batches");
+    constexpr bool kIsVarlen = (kVariant & kVarlen) != 0;
     constexpr bool kIsDeterministic = (kVariant & kDeterministic) != 0;
     constexpr bool kIsQuerySplit = (kVariant & kQuerySplit) != 0;
     static_assert(!(kIsQuerySplit && kIsDeterministic), "the turns count key blocks, not halves of them");
@@ -97,10 +100,11 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
     constexpr int kProducerRegs = 24, kConsumerRegs = 240;
     static_assert(kProducerRegs + kConsumers * kConsumerRegs <= (1 + kConsumers) * launch_regs(kNWarps * 32),
                   "setmaxnreg moves registers between warpgroups: no more than the launch gave them");
-    // Named barriers: kDsReady both consumers; kStore one per consumer; kDqX (d = 64) both consumers: sDqX's
-    // partials are in; with the dQ warp's arrival, kDqFree: it has read the last pair's sDqAcc; with the
-    // consumers' arrivals, kDqFull: this pair's sDqAcc is written; kDeterministic, the dQ and turn warps:
-    // kDqTurn the tile's turn has come, kDqAdded the dQ warp's adds have completed
+    // Named barriers: kDsReady both consumers (also once varlen's tails are zeroed); kStore one per consumer;
+    // kDqX (d = 64) both consumers: sDqX's partials are in; with the dQ warp's arrival, kDqFree: it has read
+    // the last pair's sDqAcc; with the consumers' arrivals, kDqFull: this pair's sDqAcc is written;
+    // kDeterministic, the dQ and turn warps: kDqTurn the tile's turn has come, kDqAdded the dQ warp's adds
+    // have completed
     constexpr int kDsReady = 1, kStore = 2, kDqX = 4, kDqFree = 5, kDqFull = 6, kDqTurn = 7, kDqAdded = 8;
     constexpr int kDqThreads = 128 * kConsumers + 32;
 
@@ -136,9 +140,12 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
     const int head_k = kIsQuerySplit ? blockIdx.x / 2 : blockIdx.x;
     int n_block, batch;
     backward_block<kIsDeterministic>(n_block, batch);
-    const SeqInfo<false, false> seq(p.fwd, batch);
+    const SeqInfo<kIsVarlen, false> seq(p.fwd, batch);
     const int key_begin = n_block * kBlockN;
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+    if (key_begin >= seqlen_k) return;  // varlen: a shorter sequence than the grid's (a cluster's ranks alike)
+    // TMA coordinates (row, entry) of the entry's row 0: a varlen batch is one packed entry
+    const int q_row0 = seq.q_start, k_row0 = seq.k_start, tma_batch = kIsVarlen ? 0 : batch;
     const int group = p.fwd.nheads / p.fwd.nheads_k;
     const Mask<kVariant> mask(p.fwd, seqlen_q, seqlen_k);
     int m_block_first, m_block_end;
@@ -176,8 +183,10 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
             mbarrier_arrive_expect_tx(kv_full, 2 * Smem::kKV);
 #pragma unroll
             for (int slab = 0; slab < kHeadDim / 64; ++slab) {
-                tma_load_4d(sK + slab * kSlabKV, &params.tma_k, kv_full, 64 * slab, key_begin, head_k, batch);
-                tma_load_4d(sV + slab * kSlabKV, &params.tma_v, kv_full, 64 * slab, key_begin, head_k, batch);
+                tma_load_4d(sK + slab * kSlabKV, &params.tma_k, kv_full, 64 * slab, k_row0 + key_begin, head_k,
+                            tma_batch);
+                tma_load_4d(sV + slab * kSlabKV, &params.tma_v, kv_full, 64 * slab, k_row0 + key_begin, head_k,
+                            tma_batch);
             }
 #pragma unroll 1
             for (int it = 0; it < n_it; ++it) {
@@ -189,12 +198,14 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
                 mbarrier_arrive_expect_tx(q_full(s), Smem::kQ);
 #pragma unroll
                 for (int slab = 0; slab < kHeadDim / 64; ++slab)
-                    tma_load_4d(sQ(s) + slab * kSlabQ, &params.tma_q, q_full(s), 64 * slab, row_begin, head, batch);
+                    tma_load_4d(sQ(s) + slab * kSlabQ, &params.tma_q, q_full(s), 64 * slab, q_row0 + row_begin, head,
+                                tma_batch);
                 if (use > 0) mbarrier_wait(do_empty(s), (use - 1) & 1);
                 mbarrier_arrive_expect_tx(do_full(s), Smem::kQ);
 #pragma unroll
                 for (int slab = 0; slab < kHeadDim / 64; ++slab)
-                    tma_load_4d(sdO(s) + slab * kSlabQ, &params.tma_do, do_full(s), 64 * slab, row_begin, head, batch);
+                    tma_load_4d(sdO(s) + slab * kSlabQ, &params.tma_do, do_full(s), 64 * slab, q_row0 + row_begin,
+                                head, tma_batch);
             }
         } else if (warp == 1) {
             // LSE as exp2's offset (lse_to_log2_offset: +inf for a row that saw no key, so its P is 0) and D;
@@ -292,6 +303,14 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_dk[nd][e] = acc_dv[nd][e] = 0.f;
     mbarrier_wait(kv_full, 0);
+    // Varlen: rows past the sequence zeroed (K, V here; Q, dO per pair below), then every consumer reads them
+    auto zero_tails = [&](unsigned a, unsigned b, unsigned slab_bytes, int first, int rows) {
+        zero_tile_rows(a, slab_bytes, kHeadDim / 64, first, rows, tid + 128 * consumer, 128 * kConsumers);
+        zero_tile_rows(b, slab_bytes, kHeadDim / 64, first, rows, tid + 128 * consumer, 128 * kConsumers);
+        fence_proxy_async();
+        named_barrier_sync(kDsReady, 128 * kConsumers);
+    };
+    if (kIsVarlen && key_begin + kBlockN > seqlen_k) zero_tails(sK, sV, kSlabKV, seqlen_k - key_begin, kBlockN);
 
     for (int it = 0; it < n_it; ++it) {
         const int s = it % kStages;
@@ -307,6 +326,10 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
         // acc_s[ni][2h + e]: key key_row0 + g + 8h, query 8 ni + 2t + e (for_each_score_t's layout)
         float acc_s[kNTilesQ][4], acc_dp[kNTilesQ][4];
         mbarrier_wait(q_full(s), phase);
+        if (kIsVarlen && row_begin + kBlockM > seqlen_q) {
+            mbarrier_wait(do_full(s), phase);
+            zero_tails(sQ(s), sdO(s), kSlabQ, seqlen_q - row_begin, kBlockM);
+        }
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kHeadDim / 16; ++ks) {

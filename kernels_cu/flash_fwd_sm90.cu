@@ -224,18 +224,13 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_sm90(const __grid_c
         if (lane == 0) mbarrier_arrive(empty);
     };
     // Varlen: the first key block visited (i = 0, the last of the range) may end past the sequence, its V
-    // rows there the next sequence's. The consumers zero them in stage 0 (each warpgroup a share of the
-    // 16-byte chunks), fence them to the async proxy that wgmma reads through, and wait for each other.
+    // rows there the next sequence's. The consumers zero them in stage 0, fence them to the async proxy that
+    // wgmma reads through, and wait for each other.
     auto zero_v_tail = [&]() {
         const int first = seqlen_k - (n_block_end - 1) * kBlockN;  // first row past the sequence
         if (!kIsVarlen || first >= kBlockN) return;
         mbarrier_wait(v_full(0), 0);
-        constexpr int kRowChunks = 8 * (kHeadDim / 64);  // 16-byte chunks of a row, over every slab
-        for (int c = consumer * 128 + tid; c < (kBlockN - first) * kRowChunks; c += 128 * kConsumers) {
-            const int r = first + c / kRowChunks, slab = c % kRowChunks / 8, chunk = c % 8;
-            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(sV + slab * kSlabKV + r * 128 + chunk * 16),
-                         "r"(0u) : "memory");
-        }
+        zero_tile_rows(sV, kSlabKV, kHeadDim / 64, first, kBlockN, consumer * 128 + tid, 128 * kConsumers);
         fence_proxy_async();
         named_barrier_sync(kVTail, 128 * kConsumers);
     };

@@ -121,6 +121,20 @@ __device__ __forceinline__ void setmaxnreg_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
 }
 
+// Rows [row0, rows) of a 128-byte-swizzled tile (`slabs` slabs of 64 columns, slab_bytes apart) set to zero by
+// 16-byte stores, thread `thread` of `threads` taking every threads-th chunk: a row's 8 chunks are the whole
+// row, whatever the swizzle. For the rows a varlen tile holds past its sequence (TMA zero-fills only past the
+// array); wgmma reads them after a fence_proxy_async and a barrier of the readers.
+__device__ __forceinline__ void zero_tile_rows(unsigned tile, unsigned slab_bytes, int slabs, int row0, int rows,
+                                               int thread, int threads) {
+#pragma unroll 1
+    for (int c = thread; c < (rows - row0) * 8 * slabs; c += threads) {
+        const int r = row0 + c / (8 * slabs), slab = c / 8 % slabs, chunk = c % 8;
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(tile + slab * slab_bytes + r * 128 + chunk * 16),
+                     "r"(0u) : "memory");
+    }
+}
+
 // Thread block clusters: the blocks of a cluster (__cluster_dims__) run at once, on neighbouring SMs, and
 // reach each other's shared memory. cluster_rank is this block's place in its cluster; cluster_map gives the
 // address in block `rank`'s shared memory of what lies at `addr` in this one's (for ld.shared::cluster and

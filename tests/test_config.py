@@ -170,8 +170,9 @@ def test_hopper_forward_choice():
 
 
 def test_hopper_backward_choice():
-    """flash_bwd_sm90 is the middle launch of 16-bit dense backwards on compute capability 9.0, head dims up to
-    128, deterministic or not, every variant but varlen. The rest run flash_bwd."""
+    """flash_bwd_sm90 is the middle launch of 16-bit backwards on compute capability 9.0, head dims up to 128,
+    deterministic or not, every variant, varlen too but for varlen with ALiBi and dropout together. The rest
+    run flash_bwd."""
     def main(dt="bfloat16", d=128, v=0, cc=90, **kw):
         return config.choose_backward(dt, d, v, compute_capability=cc, **kw)[1]
 
@@ -183,12 +184,14 @@ def test_hopper_backward_choice():
     assert main(v=config.SOFTCAP | config.ALIBI | config.DROPOUT).family == "sm90"
     assert main(v=config.DETERMINISTIC | config.LOCAL).variant == config.DETERMINISTIC | config.LOCAL
     assert main(d=64, v=config.DETERMINISTIC).family == "sm90" and main(v=config.DROPOUT).family == "sm90"
-    for d, v in ((160, 0), (128, config.VARLEN), (64, config.VARLEN | config.SOFTCAP)):
+    assert main(v=config.VARLEN | config.LOCAL).family == "sm90"
+    assert main(d=64, v=config.VARLEN | config.SOFTCAP | config.ALIBI | config.DETERMINISTIC).family == "sm90"
+    for d, v in ((160, 0), (128, config.VARLEN | config.ALIBI | config.DROPOUT), (64, config.ALL_VARIANTS)):
         assert main(d=d, v=v).kernel == "flash_bwd", (d, v)
     assert main(cc=80).kernel == "flash_bwd" and main(family="mma").kernel == "flash_bwd"
     assert main("float32").family == "simt"
-    with pytest.raises(ValueError, match="varlen"):
-        main(v=config.VARLEN, family="sm90")
+    with pytest.raises(ValueError, match="sm90 kernel family cannot serve this backward"):
+        main(v=config.VARLEN | config.ALIBI | config.DROPOUT, family="sm90")
     # block_m / 64 * head_dim / 64 dQ tiles: one per consumer (d = 128), or one in all (d = 64)
     for d in (64, 128):
         c = main(d=d)

@@ -92,14 +92,15 @@ def test_broadcast_kv_heads(hopper):
 
 
 def test_forcing_sm90_where_it_cannot_serve_raises(hopper):
-    """The Hopper forward serves varlen; its backward does not."""
+    """The Hopper kernels serve varlen, but not the backward of varlen with ALiBi and dropout together."""
     cp = hopper.cp
     q, k, v = (x[0] for x in _qkv(hopper, "sm90-varlen", "bfloat16", 1, 64, 64, 2, 2, 64))
     cu = cp.asarray([0, 30, 64], dtype=cp.int32)
+    kw = {"alibi_slopes": cp.asarray([0.5, 0.25], dtype=cp.float32), "dropout_p": 0.1, "seed": 1}
     with cuflash.kernel_family("sm90"):
-        o, lse = cuflash.flash_attn_varlen_forward(q, k, v, cu, cu, 34, 34)
+        o, lse = cuflash.flash_attn_varlen_forward(q, k, v, cu, cu, 34, 34, **kw)
         with pytest.raises(ValueError, match="sm90 kernel family cannot serve this backward"):
-            cuflash.flash_attn_varlen_backward(o, q, k, v, o, lse, cu, cu, 34, 34)
+            cuflash.flash_attn_varlen_backward(o, q, k, v, o, lse, cu, cu, 34, 34, **kw)
 
 
 @pytest.mark.parametrize("d,cu_q,cu_k", [
@@ -128,6 +129,34 @@ def test_varlen_forward_on_the_hopper_kernel(hopper, d, cu_q, cu_k, causal):
         err, bound, lse_err = _forward_error(hopper, "bfloat16", causal, q[None, q0:q1], k[None, k0:k1],
                                              v[None, k0:k1], o[None, q0:q1], lse[None, :, q0:q1])
         assert err <= bound and lse_err <= 1e-4, f"sequence {i}: o error {err:.3e} (bound {bound:.3e}), lse {lse_err:.3e}"
+
+
+@pytest.mark.parametrize("d,deterministic", [(64, False), (128, False), (128, True)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_backward_on_the_hopper_kernel(hopper, d, deterministic, causal):
+    """flash_bwd_sm90 on packed sequences: each meets the accuracy rule against the reference of its rows alone
+    (test_varlen_forward_on_the_hopper_kernel's sequences). Sequence 0's last key block reaches into sequence
+    1's keys and its last query block into sequence 2's queries, which hold an inf in K, V, Q and dO: sequences
+    0 and 3 stay finite (the rows past a sequence are zeroed, not multiplied by P = 0 or dS = 0)."""
+    cp = hopper.cp
+    cu_q, cu_k = [0, 100, 100, 357, 700], [0, 130, 250, 517, 610]
+    key = f"sm90-varlen-bwd-{d}-{deterministic}-{causal}"
+    q, k, v = (x[0] for x in _qkv(hopper, key, "bfloat16", 1, cu_q[-1], cu_k[-1], 4, 2, d))
+    do = hopper.randn(hopper.rng(key + "-do"), q.shape, "bfloat16")
+    for x, row in ((k, cu_k[1] + 3), (v, cu_k[1] + 3), (q, cu_q[2] + 5), (do, cu_q[2] + 5)):
+        x[row, 1, 5] = float("inf")
+    cus = [cp.asarray(c, dtype=cp.int32) for c in (cu_q, cu_k)]
+    lengths = [max(b - a for a, b in zip(c, c[1:])) for c in (cu_q, cu_k)]
+    with cuflash.kernel_family("sm90"):
+        o, lse = cuflash.flash_attn_varlen_forward(q, k, v, *cus, *lengths, causal=causal)
+        dq, dk, dv = cuflash.flash_attn_varlen_backward(do, q, k, v, o, lse, *cus, *lengths, causal=causal,
+                                                        deterministic=deterministic)
+    for i in (0, 3):
+        (q0, q1), (k0, k1) = (cu_q[i], cu_q[i + 1]), (cu_k[i], cu_k[i + 1])
+        qs, dos, os_, dqs = (x[None, q0:q1] for x in (q, do, o, dq))
+        ks, vs, dks, dvs = (x[None, k0:k1] for x in (k, v, dk, dv))
+        hopper.check(f"sequence {i} d={d} deterministic={deterministic} causal={causal}", "bfloat16", causal, None,
+                     qs, ks, vs, dos, os_, lse[None, :, q0:q1], dqs, dks, dvs)
 
 
 def _training_step(gpu, dtype, causal, key, b, sq, sk, h, hk, d):

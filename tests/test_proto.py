@@ -140,6 +140,17 @@ SM90_BWD_CASES = {
     # a window: key block 0 is outside every row's (both ranks without pairs: dK = dV = 0), key block 1 split
     "sm90_bwd_f32_query_split_window_empty_key_block": (1, 90, 260, 1, 1, 64, True, "float32",
                                                         (64, 64, 128, 12), {"window": (40, -1), "query_split": True}),
+    # varlen, as SM90_CASES' (inf in K, V, Q and dO rows past the last sequence): sequence 0's last key block and
+    # query block run into sequence 1, sequence 2's past the last sequence; sequence 1 has no queries, so its
+    # key block has no pairs (dK = dV = 0); two query blocks for sequence 2; GQA
+    "sm90_bwd_f32_varlen_causal_gqa": (3, 150, 190, 2, 1, 64, True, "float32", (64, 64, 128, 12),
+                                       {"varlen": ([0, 40, 40, 140], [0, 70, 100, 180])}),
+    # with the turns, and with the split over a cluster
+    "sm90_bwd_f32_varlen_deterministic": (2, 120, 300, 1, 1, 64, False, "float32", (64, 64, 128, 12),
+                                          {"varlen": ([0, 50, 110], [0, 140, 290]), "deterministic": True}),
+    "sm90_bwd_f16_varlen_query_split_softcap": (2, 200, 160, 1, 1, 64, True, "float16", (64, 64, 128, 12),
+                                                {"varlen": ([0, 70, 190], [0, 60, 150]), "softcap": 2.0,
+                                                 "query_split": True}),
 }
 
 # run twice: the deterministic dq bitwise the same
@@ -266,25 +277,31 @@ def _sm90_variant_case(case):
 
 
 def _sm90_bwd_variant_case(case):
-    """A SM90_BWD_CASES entry as a VARIANT_CASES one (dense, without "deterministic" and "query_split"), for
-    _variant_inputs and _numpy_backend."""
+    """A SM90_BWD_CASES entry as a VARIANT_CASES one (without "deterministic" and "query_split", its "varlen" in
+    the varlen slot), for _variant_inputs and _numpy_backend."""
     b, sq, sk, h, hk, d, causal, dt, tile, variants = case
-    variants = {key: x for key, x in variants.items() if key not in ("deterministic", "query_split")}
-    return b, sq, sk, h, hk, d, causal, dt, tile, variants, None
+    varlen = variants.get("varlen")
+    variants = {key: x for key, x in variants.items() if key not in ("deterministic", "query_split", "varlen")}
+    return b, sq, sk, h, hk, d, causal, dt, tile, variants, varlen
 
 
 def _sm90_bwd_turns(case):
     """The semaphores a deterministic SM90_BWD_CASES entry leaves: [b, h, m] = the key blocks that visit query
-    block m (each hands the turn on once), from the mask itself; (b, h, ceil(seqlen_q / SEMAPHORE_ROWS))."""
+    block m (each hands the turn on once), from the mask itself; (entries, h, ceil(longest seqlen_q /
+    SEMAPHORE_ROWS))."""
     from cuflash.config import SEMAPHORE_ROWS
 
     b, sq, sk, h, _, _, causal, _, (_, bm, bn, _), variants = case
-    assert not set(variants) - {"deterministic"}, "causal or not: no window here"
-    rows, cols = np.arange(sq)[:, None], np.arange(sk)[None, :]
-    vis = cols <= rows + sk - sq if causal else np.ones((sq, sk), bool)
-    turns = np.zeros((b, h, -(-sq // SEMAPHORE_ROWS)), np.int32)
-    for m in range(-(-sq // bm)):
-        turns[:, :, m] = sum(bool(vis[m * bm:(m + 1) * bm, n * bn:(n + 1) * bn].any()) for n in range(-(-sk // bn)))
+    assert not set(variants) - {"deterministic", "varlen"}, "causal or not: no window here"
+    cu_q, cu_k = variants.get("varlen", ([0, sq], [0, sk]))
+    lengths = [(q1 - q0, k1 - k0) for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])]
+    turns = np.zeros((b, h, -(-max(n for n, _ in lengths) // SEMAPHORE_ROWS)), np.int32)
+    for i, (n_q, n_k) in enumerate(lengths):
+        rows, cols = np.arange(n_q)[:, None], np.arange(n_k)[None, :]
+        vis = cols <= rows + n_k - n_q if causal else np.ones((n_q, n_k), bool)
+        for m in range(-(-n_q // bm)):
+            turns[i, :, m] = sum(bool(vis[m * bm:(m + 1) * bm, n * bn:(n + 1) * bn].any())
+                                 for n in range(-(-n_k // bn)))
     return turns
 
 
@@ -311,11 +328,12 @@ def _sm90_forward(q, k, v, *, causal, softmax_scale, cfg, stages=None, varlen=No
 
 
 def _sm90_backward(do, q, k, v, o, lse, *, causal, softmax_scale, cfg, deterministic=False, query_split=False,
-                   **variants):
+                   varlen=None, **variants):
     """(dq, dk, dv, semaphore) of proto/flash_bwd_sm90.py between flash_bwd.py's preprocess and postprocess,
-    launched as the Numba backend's _backward launches flash_bwd (dense), with the same arguments. The
-    preprocess and postprocess take 16-row blocks of one warp (they take no head dim). deterministic and
-    query_split set DETERMINISTIC and QUERY_SPLIT on cfg (the grid is config.backward_grid's, as cuda.py's)."""
+    launched as the Numba backend's _backward launches flash_bwd, with the same arguments (varlen: packed
+    arrays, as _forward's). The preprocess and postprocess take 16-row blocks of one warp (they take no head
+    dim). deterministic and query_split set DETERMINISTIC and QUERY_SPLIT on cfg (the grid is
+    config.backward_grid's, as cuda.py's)."""
     import dataclasses
 
     from cuflash.backends import numba as nb
@@ -324,29 +342,30 @@ def _sm90_backward(do, q, k, v, o, lse, *, causal, softmax_scale, cfg, determini
     from cuflash.proto.flash_bwd_sm90 import make_flash_bwd_sm90
 
     dt = dtype_name(q.dtype)
-    b, sq, h, d = q.shape
+    slabs, rows, h, d = q.shape
+    b, sq, sk = nb._grid_sizes(q, k, varlen)  # entries, the longest lengths
     hk = k.shape[2]
     launcher = nb._Launcher()
     work = np.float32 if dt == "bfloat16" else q.dtype
     acc = np.float64 if dt == "float64" else np.float32
     dq, dk, dv = (np.empty(x.shape, work) for x in (q, k, v))
-    dsum = np.empty((b, h, sq), acc)
-    dq_accum = np.empty((b, h, sq, d), acc)
+    dsum = np.empty((slabs, h, rows), acc)
+    dq_accum = np.empty((slabs, h, rows, d), acc)
     cfg = dataclasses.replace(cfg, variant=cfg.variant | (DETERMINISTIC if deterministic else 0)
                               | (QUERY_SPLIT if query_split else 0))
-    n_blocks = -(-k.shape[1] // cfg.block_n)
+    n_blocks = -(-sk // cfg.block_n)
     # rank 0's dK, dV for rank 1 (the cluster's shared memory)
     partial = np.zeros((hk, b, n_blocks, 2, cfg.block_n, cfg.head_dim) if query_split else (1,) * 6, acc)
     # one per SEMAPHORE_ROWS query rows, as config.BackwardWorkspace's; not zeroed here: the preprocess does
     semaphore = np.full((b, h, -(-sq // SEMAPHORE_ROWS)), -1, np.int32)
     pre, post = (dataclasses.replace(cfg, kernel=kn, block_m=16, block_n=16, warps=1)
                  for kn in ("flash_bwd_preprocess", "flash_bwd_postprocess"))
-    var = nb._variant_args(launcher, np, dt, h, causal, **variants)
+    var = nb._variant_args(launcher, np, dt, h, causal, varlen, **variants)
     scale, scale_log2 = nb._scales(dt, softmax_scale)
     q_, k_, v_, do_, o_, lse_ = (launcher.inp(x) for x in (q, k, v, do, o, lse))
     launcher.launch(make_flash_bwd_preprocess, pre, (-(-sq // 16), h, b), do_, o_, dsum, dq_accum, semaphore,
                     var[0], var[1])
-    launcher.launch(make_flash_bwd_sm90, cfg, backward_grid(cfg, hk, k.shape[1], b), q_, k_, v_, do_, lse_, dsum, dk,
+    launcher.launch(make_flash_bwd_sm90, cfg, backward_grid(cfg, hk, sk, b), q_, k_, v_, do_, lse_, dsum, dk,
                     dv, dq_accum, semaphore, partial, scale, scale_log2, *var)
     launcher.launch(make_flash_bwd_postprocess, post, (-(-sq // 16), h, b), dq_accum, dq, scale, var[0], var[1])
     return (*(nb._finish(None, x, q.dtype) for x in (dq, dk, dv)), semaphore)
@@ -379,7 +398,7 @@ def _sm90_refusals() -> list[str]:
 
 def _sm90_bwd_refusals() -> list[str]:
     """make_flash_bwd_sm90 refuses what the CUDA kernel does not serve or cannot be built for."""
-    from cuflash.config import DETERMINISTIC, PAGED, QUERY_SPLIT, SEQUSED, VARLEN, KernelConfig
+    from cuflash.config import ALIBI, DETERMINISTIC, DROPOUT, PAGED, QUERY_SPLIT, SEQUSED, VARLEN, KernelConfig
     from cuflash.proto.flash_bwd_sm90 import make_flash_bwd_sm90
 
     fails = []
@@ -387,7 +406,8 @@ def _sm90_bwd_refusals() -> list[str]:
         make_flash_bwd_sm90(KernelConfig("flash_bwd_sm90", "float16", 64, 64, 128, 12, DETERMINISTIC))
     except ValueError as e:
         fails.append(f"deterministic refused: {e}")
-    bad = [KernelConfig("flash_bwd_sm90", "float16", 64, 64, 128, 12, bits) for bits in (VARLEN, SEQUSED, PAGED)]
+    bad = [KernelConfig("flash_bwd_sm90", "float16", 64, 64, 128, 12, bits)
+           for bits in (SEQUSED, PAGED, VARLEN | ALIBI | DROPOUT)]
     bad += [KernelConfig("flash_bwd", "float16", 64, 64, 128, 12, 0),  # another kernel
             KernelConfig("flash_bwd_sm90", "float16", 64, 64, 96, 12, 0),  # block_n not whole warpgroups
             KernelConfig("flash_bwd_sm90", "float16", 64, 64, 128, 8, 0),  # one warpgroup short
@@ -482,14 +502,30 @@ def _sm90_bwd_case(name, seed):
 
     case = SM90_BWD_CASES[name]
     b, sq, sk, h, hk, d, causal, dt, (cd, bm, bn, warps), _ = case
+    varlen = _sm90_bwd_variant_case(case)[10]
     q, k, v, do, kw = _variant_inputs(seed, _sm90_bwd_variant_case(case))
     scale = 1.0 / math.sqrt(d)
-    o, lse = npb.forward(q, k, v, causal=causal, softmax_scale=scale, **kw)
-    cfg = KernelConfig("flash_bwd_sm90", dt, cd, bm, bn, warps, _params.variant(causal, **kw))
+    packed = None
+    if varlen is None:
+        o, lse = npb.forward(q, k, v, causal=causal, softmax_scale=scale, **kw)
+    else:
+        cu_q, cu_k = (np.array(c, dtype=np.int32) for c in varlen)
+        packed = (cu_q, cu_k, int(np.diff(cu_q).max()), int(np.diff(cu_k).max()))
+        o, lse = npb.varlen_forward(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=scale, **kw)
+        q, k, v, do = (x.copy() for x in (q, k, v, do))
+        for x, end in ((q, cu_q[-1]), (k, cu_k[-1]), (v, cu_k[-1]), (do, cu_q[-1])):
+            x[end:] = np.inf  # rows of no sequence
+        q, k, v, do, o, lse = (x[None] for x in (q, k, v, do, o, lse))
+    cfg = KernelConfig("flash_bwd_sm90", dt, cd, bm, bn, warps, _params.variant(causal, packed, **kw))
     run = lambda: _sm90_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale, cfg=cfg,  # noqa: E731
                                  deterministic=bool(case[9].get("deterministic")),
-                                 query_split=bool(case[9].get("query_split")), **kw)
+                                 query_split=bool(case[9].get("query_split")), varlen=packed, **kw)
     res = dict(zip(("dq", "dk", "dv", "semaphore"), run()))
+    if packed is not None:
+        res.update({key: res[key][0] for key in ("dq", "dk", "dv")})
+        # rows of no sequence: never written (the buffers are np.empty); the NumPy backend's are 0
+        for key, end in (("dq", cu_q[-1]), ("dk", cu_k[-1]), ("dv", cu_k[-1])):
+            res[key][end:] = 0
     if name == SM90_BWD_RERUN:
         res["dq_rerun"] = run()[0]
     return res
@@ -818,7 +854,7 @@ def test_sim_sm90_backward(sim, name):
         assert got[key].shape == x.shape and got[key].dtype == x.dtype, key
     if not case[9].get("deterministic"):  # the preprocess zeroed them (from -1), the kernel never touched them
         assert np.all(sim[f"{name}/semaphore"] == 0)
-    if variants:
+    if variants or _sm90_bwd_variant_case(case)[10] is not None:  # and varlen
         _compare_with_numpy(sim, name, _numpy_backend(_sm90_bwd_variant_case(case), seed), dt,
                             keys=("dq", "dk", "dv"))
         return
@@ -868,7 +904,8 @@ def test_sim_sm90_backward_deterministic_turns(sim, name):
 
 
 def test_sim_sm90_backward_refusals(sim):
-    """make_flash_bwd_sm90 builds deterministic; raises ValueError for varlen, seqused, paged, another kernel, a
+    """make_flash_bwd_sm90 builds deterministic; raises ValueError for seqused, paged, varlen with ALiBi and
+    dropout, another kernel, a
     block_n or warps that are not whole warpgroups, block_m or head_dim not whole 64-column slabs, dQ tiles
     neither one per consumer nor one in all, and one tile in all without two consumers to share it."""
     failure = str(sim["sm90_bwd_refusals/failure"])

@@ -122,7 +122,7 @@ def forward_launches(q, k, v, o, lse, *, causal: bool, softmax_scale: float, var
     if cfg.family == "sm90":
         try:
             boxes = {"q": cfg.block_m, "k": cfg.block_n, "v": cfg.block_n}
-            packed = None if varlen is None else {name: a.shape[1] for name, a in (("q", q), ("k", k), ("v", v))}
+            packed = None if varlen is None else {n: a.shape[1] for n, a in (("q", q), ("k", k), ("v", v))}
             return TmaLaunches(_tma.SM90Params(_params.FWD_SM90_PARAMS, p, cfg.dtype, boxes, packed),
                                [(cfg, (ceil_div(sq, cfg.block_m), h, b))])
         except _tma.Unencodable:  # strides TMA cannot take (e.g. 0 for a broadcast head): the mma.sync kernel
@@ -158,7 +158,8 @@ def backward_launches(do, q, k, v, o, lse, dq, dk, dv, workspace, *, causal: boo
         try:
             p["dq_accum_swizzle"] = DQ_SWIZZLE_SM90
             boxes = {"q": main.block_m, "k": main.block_n, "v": main.block_n, "do": main.block_m}
-            return TmaLaunches(_tma.SM90Params(_params.BWD_SM90_PARAMS, p, main.dtype, boxes),
+            packed = None if varlen is None else {n: a.shape[1] for n, a in (("q", q), ("k", k), ("v", v), ("do", do))}
+            return TmaLaunches(_tma.SM90Params(_params.BWD_SM90_PARAMS, p, main.dtype, boxes, packed),
                                [(cfg, grid(cfg)) for cfg in cfgs])
         except _tma.Unencodable:  # as in forward_launches
             if forced_family() == "sm90":

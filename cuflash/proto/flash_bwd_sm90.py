@@ -10,14 +10,16 @@ and the accumulator type are closure constants. It runs between flash_bwd.py's p
     kernel[grid, block](q, k, v, do, lse, dsum, dk, dv, dq_accum, semaphore, partial, softmax_scale, scale_log2,
                         *variant_args)
 
-Dense batches, as the CUDA kernel (config.SM90_BWD_UNSERVED raises): cu_seqlens_q / cu_seqlens_k are taken and
-never read. semaphore: flash_bwd.py's, int32 (batch, nheads, ceil(seqlen_q / 64)) zeroed by the preprocess, read
-and written only when DETERMINISTIC. QUERY_SPLIT: twice the grid's x (CUDA's clusters of two blocks: x = 2 head_k +
-the block's rank); each rank takes a half of the key block's query blocks, and `partial` (nheads_k, batch,
-ceil(seqlen_k / block_n), 2, block_n, head_dim) of the accumulator type stands for the cluster's shared memory:
-rank 0 puts its dK, dV there, rank 1 adds them to its own and stores. The simulator runs rank 0 first (blocks one
-after another in np.ndindex order, x slowest), so rank 1 finds them there; CUDA's ranks run at once and wait on
-mbarriers. Without QUERY_SPLIT `partial` is never read.
+Dense and varlen batches, as the CUDA kernel (config.SM90_BWD_UNSERVED raises, and varlen with ALiBi and dropout
+together, config.SM90_BWD_VARLEN_UNSERVED). As TMA sees them, varlen's packed arrays are one entry: a tile past a
+sequence's end loads the next sequence's rows (zeros only past the array), which the consumers zero (K and V once, Q
+and dO of a sequence's last query block: zero_tails). semaphore: flash_bwd.py's, int32 (batch, nheads, ceil(seqlen_q
+/ 64)) zeroed by the preprocess, read and written only when DETERMINISTIC. QUERY_SPLIT: twice the grid's x (CUDA's
+clusters of two blocks: x = 2 head_k + the block's rank); each rank takes a half of the key block's query blocks,
+and `partial` (nheads_k, batch, ceil(seqlen_k / block_n), 2, block_n, head_dim) of the accumulator type stands for
+the cluster's shared memory: rank 0 puts its dK, dV there, rank 1 adds them to its own and stores. The simulator
+runs rank 0 first (blocks one after another in np.ndindex order, x slowest), so rank 1 finds them there; CUDA's
+ranks run at once and pass two cluster barriers. Without QUERY_SPLIT `partial` is never read.
 
 Roles, as in CUDA. Warpgroup 0 is the producer: thread 0 copies K and V once, then the Q and dO tiles of
 each (query head, query block) pair `it` into a ring of kStages = 2 stages, each tile waiting until the
@@ -72,13 +74,13 @@ import math
 from numba import config as numba_config
 from numba import cuda, int32, uint64
 
-from ..config import DETERMINISTIC, PAGED, QUERY_SPLIT, SEQUSED, SM90_BWD_UNSERVED, VARLEN
+from ..config import DETERMINISTIC, PAGED, QUERY_SPLIT, SEQUSED, SM90_BWD_UNSERVED, SM90_BWD_VARLEN_UNSERVED, VARLEN
 from .dropout import keep
 from .flash_bwd import LOG2E, backward_block, backward_pair, dq_turn, lse_to_log2_offset
 from .flash_fwd import acc_type, load_tile, thread_layout, variant_flags
 from .flash_fwd_sm90 import WARPGROUP, mbarrier_arrive, mbarrier_try_wait, mbarrier_wait
 from .mask import dcap_of, m_block_range, n_block_range, needs_mask, score_mod, score_mod_init, visible
-from .seqinfo import seq_info
+from .seqinfo import batch_index, seq_info
 
 WG_KEYS = 64  # keys of one consumer warpgroup
 DQ_TILE = 64  # dQ = dS K in 64 x 64 tiles
@@ -90,8 +92,10 @@ def make_flash_bwd_sm90(cfg):
     if cfg.kernel != "flash_bwd_sm90":
         raise ValueError(f"make_flash_bwd_sm90 builds flash_bwd_sm90, not {cfg.kernel}")
     if cfg.variant & SM90_BWD_UNSERVED:
-        names = [n for bit, n in ((VARLEN, "varlen"), (SEQUSED, "seqused"), (PAGED, "paged")) if cfg.variant & bit]
-        raise ValueError(f"flash_bwd_sm90 serves dense batches only, not {', '.join(names)}")
+        names = [n for bit, n in ((SEQUSED, "seqused"), (PAGED, "paged")) if cfg.variant & bit]
+        raise ValueError(f"flash_bwd_sm90 serves no KV cache: not {', '.join(names)}")
+    if cfg.variant & VARLEN and cfg.variant & SM90_BWD_VARLEN_UNSERVED == SM90_BWD_VARLEN_UNSERVED:
+        raise ValueError("flash_bwd_sm90 does not serve varlen with ALiBi and dropout together (CUDA's spills)")
     if cfg.block_n <= 0 or cfg.block_n % WG_KEYS or cfg.warps != 4 * (1 + cfg.block_n // WG_KEYS):
         raise ValueError(f"flash_bwd_sm90: block_n must be a multiple of {WG_KEYS} and warps 4 * (1 + block_n / "
                          f"{WG_KEYS}) (a producer and one consumer warpgroup per {WG_KEYS} keys), got "
@@ -113,7 +117,7 @@ def make_flash_bwd_sm90(cfg):
                          f"partials of two consumers, half the rows each, got {CONSUMERS}")
     DQ_KEYS = WG_KEYS if DQ_OWN_KEYS else BLOCK_N  # kDqKeys
     STAGES = 2  # kStages
-    IS_LOCAL, IS_SOFTCAP, IS_ALIBI, IS_DROPOUT, _, TRANSFORM = variant_flags(cfg)
+    IS_LOCAL, IS_SOFTCAP, IS_ALIBI, IS_DROPOUT, IS_VARLEN, TRANSFORM = variant_flags(cfg)
     IS_DETERMINISTIC = bool(cfg.variant & DETERMINISTIC)  # kIsDeterministic
     IS_QUERY_SPLIT = bool(cfg.variant & QUERY_SPLIT)  # kIsQuerySplit
     if IS_QUERY_SPLIT and IS_DETERMINISTIC:
@@ -163,7 +167,8 @@ def make_flash_bwd_sm90(cfg):
         rank = cuda.blockIdx.x % 2 if IS_QUERY_SPLIT else 0  # CUDA: cluster_rank()
         head_k = cuda.blockIdx.x // 2 if IS_QUERY_SPLIT else cuda.blockIdx.x
         n_block, batch = backward_block(IS_DETERMINISTIC)
-        _, _, seqlen_q, seqlen_k = seq_info(False, cu_seqlens_q, cu_seqlens_k, batch, q.shape[1], k.shape[1])
+        q_start, k_start, seqlen_q, seqlen_k = seq_info(IS_VARLEN, cu_seqlens_q, cu_seqlens_k, batch, q.shape[1],
+                                                        k.shape[1])
         group = q.shape[2] // k.shape[2]
         m_block_first, m_block_end = m_block_range(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k,
                                                    BLOCK_M, BLOCK_N, n_block)
@@ -173,23 +178,25 @@ def make_flash_bwd_sm90(cfg):
                 m_block_end = mid
             else:
                 m_block_first = mid
-        return rank, head_k, batch, n_block, seqlen_q, seqlen_k, group, m_block_first, m_block_end
+        return rank, head_k, batch, n_block, q_start, k_start, seqlen_q, seqlen_k, group, m_block_first, m_block_end
 
     @cuda.jit(device=True)
     def pair(it, head_k, group, m_block_first, m_block_end):  # (head, m_block) of pair it: backward_pair's order
         return backward_pair(IS_DETERMINISTIC, it, head_k, group, m_block_first, m_block_end)
 
     @cuda.jit(device=True)
-    def producer(tile, bars, sK, sV, sQ, sdO, q, k, v, do, batch, head_k, group, key_begin, m_block_first,
-                 m_block_end, n_it, seqlen_q, seqlen_k):
+    def producer(tile, bars, sK, sV, sQ, sdO, q, k, v, do, tma_batch, q_row0, k_row0, head_k, group, key_begin,
+                 m_block_first, m_block_end, n_it):
         # [3] Producer: K and V, then the Q, dO tiles (TMA) and LSE, D rows of each query block into a free stage
         # Thread 0's copies in CUDA's order, from copy `tile` on: -1 K and V, 2 it the Q tile of pair it,
         # 2 it + 1 its dO tile. Returns the first copy it could not issue yet (its stage still in use: CUDA
-        # blocks there in mbarrier_wait), or 2 n_it: all issued.
+        # blocks there in mbarrier_wait), or 2 n_it: all issued. Rows are the array's (TMA's box): from the
+        # entry's row q_row0 / k_row0, zeros past the array only.
         head_dim = q.shape[3]
         if tile < 0:
-            load_tile(sK, k, batch, key_begin, head_k, seqlen_k, head_dim, 0, 1)  # CUDA: TMA, one box per slab
-            load_tile(sV, v, batch, key_begin, head_k, seqlen_k, head_dim, 0, 1)
+            # CUDA: TMA, one box per slab
+            load_tile(sK, k, tma_batch, k_row0 + key_begin, head_k, k.shape[1], head_dim, 0, 1)
+            load_tile(sV, v, tma_batch, k_row0 + key_begin, head_k, k.shape[1], head_dim, 0, 1)
             mbarrier_arrive(bars, KV_FULL)
             tile = 0
         while tile < 2 * n_it:
@@ -201,19 +208,19 @@ def make_flash_bwd_sm90(cfg):
             if tile % 2 == 0:
                 if use > 0 and not mbarrier_try_wait(bars, q_empty(stage), use - 1, Q_EMPTY_COUNT):
                     break
-                load_tile(sQ[stage], q, batch, m_block * BLOCK_M, head, seqlen_q, head_dim, 0, 1)  # CUDA: TMA
+                load_tile(sQ[stage], q, tma_batch, q_row0 + m_block * BLOCK_M, head, q.shape[1], head_dim, 0, 1)
                 mbarrier_arrive(bars, q_full(stage))
             else:
                 if use > 0 and not mbarrier_try_wait(bars, do_empty(stage), use - 1, DO_EMPTY_COUNT):
                     break
-                load_tile(sdO[stage], do, batch, m_block * BLOCK_M, head, seqlen_q, head_dim, 0, 1)  # CUDA: TMA
+                load_tile(sdO[stage], do, tma_batch, q_row0 + m_block * BLOCK_M, head, do.shape[1], head_dim, 0, 1)
                 mbarrier_arrive(bars, do_full(stage))
             tile += 1
         return tile
 
     @cuda.jit(device=True)
-    def producer_rows(it, bars, sLse, sD, lse, dsum, batch, head_k, group, m_block_first, m_block_end, n_it, seqlen_q,
-                      lane):
+    def producer_rows(it, bars, sLse, sD, lse, dsum, bidx, q_row0, head_k, group, m_block_first, m_block_end, n_it,
+                      seqlen_q, lane):
         # The producer's warp 1, from pair `it` on: LSE as exp2's offset (lse_to_log2_offset: +inf for a row
         # that saw no key, so its P is 0) and D; rows past seqlen_q take offset +inf and D 0 (they add
         # nothing). Returns the first pair whose stage is still in use, or n_it.
@@ -226,14 +233,23 @@ def make_flash_bwd_sm90(cfg):
             for r in range(lane, BLOCK_M, 32):
                 row = m_block * BLOCK_M + r
                 if row < seqlen_q:
-                    sLse[stage, r] = lse_to_log2_offset(lse[batch, head, row])
-                    sD[stage, r] = dsum[batch, head, row]
+                    sLse[stage, r] = lse_to_log2_offset(lse[bidx, head, q_row0 + row])
+                    sD[stage, r] = dsum[bidx, head, q_row0 + row]
                 else:
                     sLse[stage, r] = math.inf
                     sD[stage, r] = 0
             mbarrier_arrive(bars, q_full(stage))
             it += 1
         return it
+
+    @cuda.jit(device=True)
+    def zero_tails(a, b, first, rows, consumer, tid):
+        # Varlen: rows first .. rows - 1 of two tiles (K and V, or a stage's Q and dO) past the sequence, the
+        # next one's, set to zero by the consumers (CUDA: zero_tile_rows, fence_proxy_async, named barrier
+        # kDsReady; here the caller's syncthreads)
+        for e in range(consumer * WARPGROUP + tid, (rows - first) * HEAD_DIM, WARPGROUP * CONSUMERS):
+            a[first + e // HEAD_DIM, e % HEAD_DIM] = 0
+            b[first + e // HEAD_DIM, e % HEAD_DIM] = 0
 
     @cuda.jit(device=True)
     def issue_s_dp(it, acc_s, acc_dp, bars, sK, sV, sQ, sdO, key, lane):
@@ -394,13 +410,13 @@ def make_flash_bwd_sm90(cfg):
             cuda.atomic.exch(semaphore, (batch, head, m_block), turn + 1)  # CUDA: store_release
 
     @cuda.jit(device=True)
-    def add_dq_tile(sDqAcc, dq_accum, batch, head, row_begin, seqlen_q, lane):
+    def add_dq_tile(sDqAcc, dq_accum, bidx, q_row0, head, row_begin, seqlen_q, lane):
         # The dQ warp: sDqAcc's rows below seqlen_q into the accumulator (CUDA: lane 0's one bulk reduce of
         # those rows, dq_accum's width)
         if lane == 0:
             for r in range(min(BLOCK_M, seqlen_q - row_begin)):
                 for c in range(dq_accum.shape[3]):
-                    cuda.atomic.add(dq_accum, (batch, head, row_begin + r, c), sDqAcc[r, c])
+                    cuda.atomic.add(dq_accum, (bidx, head, q_row0 + row_begin + r, c), sDqAcc[r, c])
 
     @cuda.jit(device=True)
     def release(bars, stage, tid):
@@ -428,9 +444,12 @@ def make_flash_bwd_sm90(cfg):
         sDqAcc = cuda.shared.array((BLOCK_M, HEAD_DIM), ACC)
         bars = cuda.shared.array(N_BARS, int32)
 
-        rank, head_k, batch, n_block, seqlen_q, seqlen_k, group, m_block_first, m_block_end = block_coordinates(
-            q, k, cu_seqlens_q, cu_seqlens_k, window_left, window_right)
+        (rank, head_k, batch, n_block, q_start, k_start, seqlen_q, seqlen_k, group, m_block_first,
+         m_block_end) = block_coordinates(q, k, cu_seqlens_q, cu_seqlens_k, window_left, window_right)
         key_begin = n_block * BLOCK_N
+        if key_begin >= seqlen_k:
+            return  # varlen: a shorter sequence than the grid's
+        bidx = batch_index(IS_VARLEN, batch)  # CUDA: tma_batch, the entry's index in the arrays
         n_m = max(m_block_end - m_block_first, 0)
         n_it = group * n_m
         warpgroup = cuda.threadIdx.x // WARPGROUP
@@ -447,10 +466,10 @@ def make_flash_bwd_sm90(cfg):
         tile = -1
         rows_it = 0
         if cuda.threadIdx.x == 0:
-            tile = producer(tile, bars, sK, sV, sQ, sdO, q, k, v, do, batch, head_k, group, key_begin,
-                            m_block_first, m_block_end, n_it, seqlen_q, seqlen_k)
+            tile = producer(tile, bars, sK, sV, sQ, sdO, q, k, v, do, bidx, q_start, k_start, head_k, group,
+                            key_begin, m_block_first, m_block_end, n_it)
         if cuda.threadIdx.x // 32 == 1:
-            rows_it = producer_rows(rows_it, bars, sLse, sD, lse, dsum, batch, head_k, group, m_block_first,
+            rows_it = producer_rows(rows_it, bars, sLse, sD, lse, dsum, bidx, q_start, head_k, group, m_block_first,
                                     m_block_end, n_it, seqlen_q, cuda.threadIdx.x % 32)
         cuda.syncthreads()  # the copies have landed (CUDA: the consumers wait on kv_full, q_full, do_full)
 
@@ -477,11 +496,21 @@ def make_flash_bwd_sm90(cfg):
             acc_dv[j] = 0
         if consumer >= 0:
             mbarrier_wait(bars, KV_FULL, 0, FULL_COUNT)
+            if IS_VARLEN and key_begin + BLOCK_N > seqlen_k:
+                zero_tails(sK, sV, seqlen_k - key_begin, BLOCK_N, consumer, tid)
+        if IS_VARLEN:
+            cuda.syncthreads()
 
         for it in range(n_it):
             stage = it % STAGES
             head, m_block = pair(it, head_k, group, m_block_first, m_block_end)
             row_begin = m_block * BLOCK_M
+            if IS_VARLEN:
+                if consumer >= 0 and row_begin + BLOCK_M > seqlen_q:
+                    mbarrier_wait(bars, q_full(stage), it // STAGES, Q_FULL_COUNT)
+                    mbarrier_wait(bars, do_full(stage), it // STAGES, FULL_COUNT)
+                    zero_tails(sQ[stage], sdO[stage], seqlen_q - row_begin, BLOCK_M, consumer, tid)
+                cuda.syncthreads()
             # ScoreMod of this (batch, head): the transform's constants and exp2's scale
             slope = alibi_slopes[batch * alibi_batch_stride + head] if IS_ALIBI else ACC(0)
             _, tanh_in, bias, score_log2 = score_mod_init(IS_SOFTCAP, softmax_scale, softcap, slope, scale_log2,
@@ -535,7 +564,7 @@ def make_flash_bwd_sm90(cfg):
             # (the turn warp arrives, the dQ warp syncs)
             cuda.syncthreads()
             if warp_id == DQ_WARP:
-                add_dq_tile(sDqAcc, dq_accum, batch, head, row_begin, seqlen_q, cuda.threadIdx.x % 32)
+                add_dq_tile(sDqAcc, dq_accum, bidx, q_start, head, row_begin, seqlen_q, cuda.threadIdx.x % 32)
             if IS_DETERMINISTIC:
                 cuda.syncthreads()  # CUDA: named barrier kDqAdded (the dQ warp arrives, the turn warp syncs)
                 if warp_id == TURN_WARP:
@@ -543,11 +572,11 @@ def make_flash_bwd_sm90(cfg):
                             seqlen_k, window_left, window_right, cuda.threadIdx.x % 32)
             cuda.syncthreads()  # end of the phase: the releases are in
             if cuda.threadIdx.x == 0:
-                tile = producer(tile, bars, sK, sV, sQ, sdO, q, k, v, do, batch, head_k, group, key_begin,
-                                m_block_first, m_block_end, n_it, seqlen_q, seqlen_k)
+                tile = producer(tile, bars, sK, sV, sQ, sdO, q, k, v, do, bidx, q_start, k_start, head_k, group,
+                                key_begin, m_block_first, m_block_end, n_it)
             if cuda.threadIdx.x // 32 == 1:
-                rows_it = producer_rows(rows_it, bars, sLse, sD, lse, dsum, batch, head_k, group, m_block_first,
-                                        m_block_end, n_it, seqlen_q, cuda.threadIdx.x % 32)
+                rows_it = producer_rows(rows_it, bars, sLse, sD, lse, dsum, bidx, q_start, head_k, group,
+                                        m_block_first, m_block_end, n_it, seqlen_q, cuda.threadIdx.x % 32)
             cuda.syncthreads()  # and the copies they allowed have landed
 
         # [10] Store dK * softmax_scale and dV
@@ -579,7 +608,7 @@ def make_flash_bwd_sm90(cfg):
                 r = wg_key0 + e // HEAD_DIM
                 c = e % HEAD_DIM
                 if key_begin + r < seqlen_k and c < head_dim:
-                    dk[batch, key_begin + r, head_k, c] = sK[r, c]
-                    dv[batch, key_begin + r, head_k, c] = sV[r, c]
+                    dk[bidx, k_start + key_begin + r, head_k, c] = sK[r, c]
+                    dv[bidx, k_start + key_begin + r, head_k, c] = sV[r, c]
 
     return flash_bwd_sm90
