@@ -6,8 +6,9 @@
 #   git archive REV cuflash kernels_cu bench pyproject.toml | (mkdir -p _old && tar -x -C _old)
 #   OLD=_old bash bench/ab.sh causal full det bwd fwd      # on the device, after installing the wheels
 # Stages: causal / full (`cuflash bench --suite seqlen` against cuDNN, with or without --no-causal), variants
-# (`cuflash bench --suite variants`, cuflash alone), det (bench/deterministic.py), bwd / fwd (bench/families.py). Output: $OUT/ab.tgz holding <stage>-<tree>.json
-# and .log, and ab.txt (each run's exit status and the seconds since the start).
+# (`cuflash bench --suite variants`, cuflash alone), det (bench/deterministic.py), bwd / fwd
+# (bench/families.py). Output: $OUT/ab.tgz holding <stage>-<tree>.json and .log, and ab.txt (each run's exit
+# status and the seconds since the start).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; ROOT=$PWD; OLD=$(cd "${OLD:?OLD: the folder of the tree to compare against}" && pwd)
 WORK=$(mktemp -d); mkdir -p "$OUT"

@@ -84,15 +84,17 @@ class Unencodable(RuntimeError):
 class SM90Params:
     """A Hopper kernel's params struct (_params.FWD_SM90_PARAMS or BWD_SM90_PARAMS: `layout`) in a 64-byte
     aligned buffer: `raw` (uint8), the FwdParams or BwdParams record `p` at offset 0 and a map of each array in
-    `boxes` ({name: box rows}) after it; packed_rows: a varlen call's {name: rows of the packed array}. `follow(offset, pointers)` points the maps at the arrays whose pointers
-    a plan has just written into `raw` from byte `offset` on: same geometry, new addresses.
+    `boxes` ({name: box rows}) after it; packed_rows: a varlen call's {name: rows of the packed array}.
+    `follow(offset, pointers)` points the maps at the arrays whose pointers a plan has just written into `raw`
+    from byte `offset` on: same geometry, new addresses.
 
     A plan is built from its first call's arrays, whose pointers may be misaligned (the plan sends such calls
     to the general path, which copies them): TMA takes 16-byte aligned addresses only, so the maps are encoded
     at the address rounded down, and the plan re-addresses them before each run. A direct run's arrays are
     aligned already (backends/cuda.py)."""
 
-    def __init__(self, layout: np.dtype, p, dtype: str, boxes: dict[str, int], packed_rows: dict[str, int] | None = None):
+    def __init__(self, layout: np.dtype, p, dtype: str, boxes: dict[str, int],
+                 packed_rows: dict[str, int] | None = None):
         buf = np.zeros(layout.itemsize + 64, dtype=np.uint8)
         start = -buf.ctypes.data % 64
         self.raw = buf[start:start + layout.itemsize]

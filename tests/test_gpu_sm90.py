@@ -128,7 +128,8 @@ def test_varlen_forward_on_the_hopper_kernel(hopper, d, cu_q, cu_k, causal):
             continue
         err, bound, lse_err = _forward_error(hopper, "bfloat16", causal, q[None, q0:q1], k[None, k0:k1],
                                              v[None, k0:k1], o[None, q0:q1], lse[None, :, q0:q1])
-        assert err <= bound and lse_err <= 1e-4, f"sequence {i}: o error {err:.3e} (bound {bound:.3e}), lse {lse_err:.3e}"
+        assert err <= bound and lse_err <= 1e-4, \
+            f"sequence {i}: o error {err:.3e} (bound {bound:.3e}), lse {lse_err:.3e}"
 
 
 @pytest.mark.parametrize("d,deterministic", [(64, False), (128, False), (128, True)])
