@@ -548,12 +548,18 @@ def all_configs() -> list[KernelConfig]:
             out.extend(c for c in (choose_forward(dt, d, v) for v in GATED_FORWARD_VARIANTS) if c not in out)
             decode = [choose_decode(dt, d, v, packed_rows=1) for v in GATED_DECODE_VARIANTS]
             out.extend(c for pair in decode if pair for c in pair if c not in out)
-            hopper = [choose_forward(dt, d, v, compute_capability=90) for v in (0, LOCAL, ALL_VARIANTS & ~SM90_UNSERVED)]
+            hopper = [choose_forward(dt, d, v, compute_capability=90)
+                      for v in (0, LOCAL, ALL_VARIANTS & ~(SM90_UNSERVED | VARLEN), ALL_VARIANTS & ~SM90_UNSERVED)]
             hopper.append(choose_forward(dt, d, 0, compute_capability=90, seqlen_k=WIDE_KEYS_MIN))
-            # the most registers flash_bwd_sm90 serves: every variant dense, varlen without ALiBi or dropout
-            heaviest = [ALL_VARIANTS & ~SM90_BWD_UNSERVED & ~bit for bit in (VARLEN, ALIBI, DROPOUT)]
-            hopper += [choose_backward(dt, d, v, compute_capability=90)[1] for v in (0, LOCAL, *heaviest)]
-            hopper += [choose_backward(dt, d, v, compute_capability=90, key_slabs=1, seqlen_k=1, sms=1 << 20)[1]
-                       for v in (0, LOCAL, *(v & ~DETERMINISTIC for v in heaviest))]  # QUERY_SPLIT
+            # the most registers flash_bwd_sm90 serves: every variant dense, and varlen without ALiBi or without
+            # dropout (those Hopper configs alone: where it does not serve the head dim, mma.sync ones)
+            bwd_all = ALL_VARIANTS & ~(SM90_BWD_UNSERVED | VARLEN)
+            bwd_varlen = [ALL_VARIANTS & ~(SM90_BWD_UNSERVED | bit) for bit in (ALIBI, DROPOUT)]
+            for split in ({}, {"key_slabs": 1, "seqlen_k": 1, "sms": 1 << 20}):  # and QUERY_SPLIT
+                det = DETERMINISTIC if split else 0  # QUERY_SPLIT does not take it
+                hopper += [choose_backward(dt, d, v & ~det, compute_capability=90, **split)[1]
+                           for v in (0, LOCAL, bwd_all)]
+                hopper += [c for c in (choose_backward(dt, d, v & ~det, compute_capability=90, **split)[1]
+                                       for v in bwd_varlen) if c.family == "sm90"]
             out.extend(c for c in hopper if c not in out)
     return out
