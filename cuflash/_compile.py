@@ -256,6 +256,16 @@ def gate_options(arch) -> tuple[str, ...]:
     return (*compile_options(), f"-arch=sm_{arch}", "--ptxas-options=-v", *(f"-I{d}" for d in _cuda_include_dirs()))
 
 
+@functools.lru_cache(maxsize=None)
+def nvrtc_major() -> int:
+    """The major version of cuda-bindings' NVRTC, which builds the sm_90a kernels; 0 where it is missing."""
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError:
+        return 0
+    return int(_check(nvrtc.nvrtcVersion())[0])
+
+
 def nvrtc_compile(filename: str, names: list[str], arch) -> tuple[str, dict[str, str]]:
     """Compile names from kernels_cu/<filename> to a cubin for sm_<arch> (80, 90, "90a"); returns (log, lowered)."""
     log, lowered, _ = _nvrtc(filename, names, arch)

@@ -365,8 +365,8 @@ def choose_backward(dtype, head_dim: int, variant: int, *, key_slabs: int = 0, s
     if family == "sm90" and not hopper:
         raise ValueError("the sm90 kernel family cannot serve this backward: "
                          + ("it needs compute capability 9.0" if compute_capability != 90
-                            else "head dims over 128, KV caches and varlen with ALiBi and dropout run on the "
-                                 "mma family"))
+                            else "head dims over 128, KV caches, varlen with ALiBi and dropout, and varlen "
+                                 "built by NVRTC 12 run on the mma family"))
     if hopper and family != "mma":
         main = _make("flash_bwd_sm90", dt, head_dim, variant)
         if sms and not variant & DETERMINISTIC and query_split(main, key_slabs * ceil_div(seqlen_k, main.block_n),
@@ -385,9 +385,19 @@ def choose_backward(dtype, head_dim: int, variant: int, *, key_slabs: int = 0, s
 SM90_UNSERVED = SEQUSED | PAGED
 # flash_bwd_sm90 serves what flash_fwd_sm90 does (the softcap's derivative recovered from P at [7]: a tile of
 # it kept from [5] spilled at d = 128), except varlen with ALiBi and dropout together: at d = 128 those spill
-# (4 to 40 bytes, NVRTC 13.0), as the same variants dense do not.
+# (4 to 40 bytes, NVRTC 13.0), as the same variants dense do not. And varlen only where NVRTC 13 or newer
+# builds it: NVRTC 12.9's builds spill (8 to 96 bytes at d = 64 and 128, for every varlen variant but the
+# plain and deterministic ones).
 SM90_BWD_UNSERVED = SM90_UNSERVED
 SM90_BWD_VARLEN_UNSERVED = ALIBI | DROPOUT
+SM90_BWD_VARLEN_NVRTC = 13
+
+
+def nvrtc_major() -> int:
+    """The major version of the NVRTC that builds the Hopper kernels (_compile.nvrtc_major), 0 where none."""
+    from . import _compile
+
+    return _compile.nvrtc_major()
 
 
 def query_split(cfg: KernelConfig, blocks: int, sms: int) -> bool:
@@ -414,7 +424,8 @@ def backward_grid(cfg: KernelConfig, nheads_k: int, seqlen_k: int, batch: int) -
 def sm90_serves_backward(head_dim: int, variant: int) -> bool:
     """Does flash_bwd_sm90 serve a backward call? (else flash_bwd does; README Limits lists these)"""
     return (head_dim <= max(_TILES["flash_bwd_sm90"]) and not variant & SM90_BWD_UNSERVED
-            and not (variant & VARLEN and variant & SM90_BWD_VARLEN_UNSERVED == SM90_BWD_VARLEN_UNSERVED))
+            and not (variant & VARLEN and (variant & SM90_BWD_VARLEN_UNSERVED == SM90_BWD_VARLEN_UNSERVED
+                                           or nvrtc_major() < SM90_BWD_VARLEN_NVRTC)))
 
 
 # Decoding over a KV cache (flash_decode, flash_attn_with_kvcache): the query heads of a GQA group are packed
