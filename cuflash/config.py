@@ -390,14 +390,7 @@ SM90_UNSERVED = SEQUSED | PAGED
 # plain and deterministic ones).
 SM90_BWD_UNSERVED = SM90_UNSERVED
 SM90_BWD_VARLEN_UNSERVED = ALIBI | DROPOUT
-SM90_BWD_VARLEN_NVRTC = 13
-
-
-def nvrtc_major() -> int:
-    """The major version of the NVRTC that builds the Hopper kernels (_compile.nvrtc_major), 0 where none."""
-    from . import _compile
-
-    return _compile.nvrtc_major()
+SM90_BWD_VARLEN_NVRTC = 13  # against _compile.nvrtc_major(), the NVRTC that builds the Hopper kernels
 
 
 def query_split(cfg: KernelConfig, blocks: int, sms: int) -> bool:
@@ -423,9 +416,11 @@ def backward_grid(cfg: KernelConfig, nheads_k: int, seqlen_k: int, batch: int) -
 
 def sm90_serves_backward(head_dim: int, variant: int) -> bool:
     """Does flash_bwd_sm90 serve a backward call? (else flash_bwd does; README Limits lists these)"""
+    from . import _compile  # its NVRTC version: read only for varlen
+
     return (head_dim <= max(_TILES["flash_bwd_sm90"]) and not variant & SM90_BWD_UNSERVED
             and not (variant & VARLEN and (variant & SM90_BWD_VARLEN_UNSERVED == SM90_BWD_VARLEN_UNSERVED
-                                           or nvrtc_major() < SM90_BWD_VARLEN_NVRTC)))
+                                           or _compile.nvrtc_major() < SM90_BWD_VARLEN_NVRTC)))
 
 
 # Decoding over a KV cache (flash_decode, flash_attn_with_kvcache): the query heads of a GQA group are packed

@@ -173,7 +173,7 @@ def test_hopper_backward_choice(monkeypatch):
     """flash_bwd_sm90 is the middle launch of 16-bit backwards on compute capability 9.0, head dims up to 128,
     deterministic or not, every variant, varlen too (built by NVRTC 13 or newer) but for varlen with ALiBi
     and dropout together. The rest run flash_bwd."""
-    monkeypatch.setattr(config, "nvrtc_major", lambda: 13)
+    monkeypatch.setattr(_compile, "nvrtc_major", lambda: 13)
     def main(dt="bfloat16", d=128, v=0, cc=90, **kw):
         return config.choose_backward(dt, d, v, compute_capability=cc, **kw)[1]
 
@@ -194,7 +194,7 @@ def test_hopper_backward_choice(monkeypatch):
     with pytest.raises(ValueError, match="sm90 kernel family cannot serve this backward"):
         main(v=config.VARLEN | config.ALIBI | config.DROPOUT, family="sm90")
     # NVRTC 12.9 builds the varlen Hopper backward with spills: varlen runs on flash_bwd there, dense does not
-    monkeypatch.setattr(config, "nvrtc_major", lambda: 12)
+    monkeypatch.setattr(_compile, "nvrtc_major", lambda: 12)
     assert main(v=config.VARLEN | config.LOCAL).kernel == "flash_bwd" and main(v=config.LOCAL).family == "sm90"
     # block_m / 64 * head_dim / 64 dQ tiles: one per consumer (d = 128), or one in all (d = 64)
     for d in (64, 128):

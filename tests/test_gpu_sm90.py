@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 import cuflash
-from cuflash import _plan, config
+from cuflash import _compile, _plan, config
 
 pytestmark = pytest.mark.gpu
 
@@ -139,7 +139,7 @@ def test_varlen_backward_on_the_hopper_kernel(hopper, d, deterministic, causal):
     (test_varlen_forward_on_the_hopper_kernel's sequences). Sequence 0's last key block reaches into sequence
     1's keys and its last query block into sequence 2's queries, which hold an inf in K, V, Q and dO: sequences
     0 and 3 stay finite (the rows past a sequence are zeroed, not multiplied by P = 0 or dS = 0)."""
-    if config.nvrtc_major() < config.SM90_BWD_VARLEN_NVRTC:
+    if _compile.nvrtc_major() < config.SM90_BWD_VARLEN_NVRTC:
         pytest.skip("NVRTC 12 builds the varlen Hopper backward with spills: flash_bwd serves varlen there")
     cp = hopper.cp
     cu_q, cu_k = [0, 100, 100, 357, 700], [0, 130, 250, 517, 610]
