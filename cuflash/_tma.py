@@ -47,17 +47,18 @@ def _driver():
     return lib
 
 
-def geometry(p, name: str, rows: int, packed_rows: int = 0, itemsize: int = 2):
+def geometry(p, name: str, rows: int, extent: tuple[int, int] | None = None, itemsize: int = 2):
     """(dims, byte strides, box) of one array's map, innermost first: (head_dim, seqlen, heads, batch),
-    boxes of SLAB columns x `rows` rows. p: a FWD_PARAMS or BWD_PARAMS record. packed_rows: a varlen call's
-    packed array is one entry of that many rows (the kernel adds each sequence's first row). A dimension of
+    boxes of SLAB columns x `rows` rows. p: a FWD_PARAMS or BWD_PARAMS record. extent: (rows, entries) of an
+    array that p's seqlen and batch do not describe: a varlen call's packed one (total rows, 1 entry: the
+    kernel adds each sequence's first row), a paged cache's pool (page_size, num_pages). A dimension of
     extent 1 is never stepped, so its stride only needs to be valid (TMA takes positive multiples of 16
     bytes); an empty one (seqlen_k = 0) is never read, and is described as one row."""
     _, seqlen, heads, *strides = ARRAYS[name]
     fwd = _holder(p, "head_dim")
     dims = tuple(max(1, int(fwd[f])) for f in ("head_dim", seqlen, heads, "batch"))
-    if packed_rows:
-        dims = (dims[0], packed_rows, dims[2], 1)
+    if extent:
+        dims = (dims[0], extent[0], dims[2], extent[1])
     held = _holder(p, strides[0])
     byte_strides = tuple(int(held[s]) * itemsize if n > 1 else 16 for s, n in zip(strides, dims[1:]))
     return dims, byte_strides, (SLAB, rows, 1, 1)
@@ -84,7 +85,7 @@ class Unencodable(RuntimeError):
 class SM90Params:
     """A Hopper kernel's params struct (_params.FWD_SM90_PARAMS or BWD_SM90_PARAMS: `layout`) in a 64-byte
     aligned buffer: `raw` (uint8), the FwdParams or BwdParams record `p` at offset 0 and a map of each array in
-    `boxes` ({name: box rows}) after it; packed_rows: a varlen call's {name: rows of the packed array}.
+    `boxes` ({name: box rows}) after it; extents: {name: geometry's extent} where p does not describe one.
     `follow(offset, pointers)` points the maps at the arrays whose pointers a plan has just written into `raw`
     from byte `offset` on: same geometry, new addresses.
 
@@ -94,7 +95,7 @@ class SM90Params:
     aligned already (backends/cuda.py)."""
 
     def __init__(self, layout: np.dtype, p, dtype: str, boxes: dict[str, int],
-                 packed_rows: dict[str, int] | None = None):
+                 extents: dict[str, tuple[int, int]] | None = None):
         buf = np.zeros(layout.itemsize + 64, dtype=np.uint8)
         start = -buf.ctypes.data % 64
         self.raw = buf[start:start + layout.itemsize]
@@ -105,7 +106,7 @@ class SM90Params:
             tensor_map = self.raw[off:off + TENSOR_MAP_BYTES]
             pointer = ARRAYS[name][0]
             address = int(_holder(p, pointer)[pointer]) & ~15
-            encode(tensor_map, dtype, address, *geometry(p, name, rows, (packed_rows or {}).get(name, 0)))
+            encode(tensor_map, dtype, address, *geometry(p, name, rows, (extents or {}).get(name)))
             self._follow.append((tensor_map.ctypes.data, _offset(p.dtype, pointer), address))
         self._replace = _driver().cuTensorMapReplaceAddress
 

@@ -322,22 +322,21 @@ def choose_forward(dtype, head_dim: int, variant: int, *, seqlen_k: int = 0, com
                    family: str | None = None) -> KernelConfig:
     """The forward config of a call; variant: variant_bits(...) (LOCAL alone for a causal call).
 
-    16-bit dtypes on compute capability 9.0 take the Hopper kernel (flash_fwd_sm90), except for what it does
-    not serve (SM90_UNSERVED); elsewhere the mma.sync kernel. family: forced_family(), where a caller forces
-    one ("mma" on a Hopper GPU; "sm90" raises where the Hopper kernel cannot run the call). seqlen_k, where
-    given, lets a long call without mask or score modifier take _TILES_WIDE_KEYS's tile."""
+    16-bit dtypes on compute capability 9.0 take the Hopper kernel (flash_fwd_sm90: every variant, varlen,
+    KV caches dense or paged); elsewhere the mma.sync kernel. family: forced_family(), where a caller forces
+    one ("mma" on a Hopper GPU; "sm90" raises elsewhere). seqlen_k, where given, lets a long call without
+    mask or score modifier take _TILES_WIDE_KEYS's tile; not a KV cache's, whose dense and paged calls read
+    the same keys in the same blocks (the same bits: 176 keys no page size divides)."""
     dt = dtype_name(dtype)
     variant &= ~BACKWARD_ONLY
     if dt not in TENSOR_CORE_DTYPES:
         return _make("flash_fwd_simt", dt, head_dim, variant)
-    hopper = compute_capability == 90 and not variant & SM90_UNSERVED
+    hopper = compute_capability == 90
     if family == "sm90" and not hopper:
-        raise ValueError("the sm90 kernel family cannot serve this call: "
-                         + ("it needs compute capability 9.0" if compute_capability != 90
-                            else "KV-cache calls run on the mma family"))
+        raise ValueError("the sm90 kernel family cannot serve this call: it needs compute capability 9.0")
     cfg = _make("flash_fwd_sm90" if hopper and family != "mma" else "flash_fwd", dt, head_dim, variant)
     wide = _TILES_WIDE_KEYS.get(cfg.kernel, {}).get(cfg.head_dim)
-    if wide and seqlen_k >= WIDE_KEYS_MIN and not variant & (HEAVY | LOCAL | WINDOW):
+    if wide and seqlen_k >= WIDE_KEYS_MIN and not variant & (HEAVY | LOCAL | WINDOW | FORWARD_ONLY):
         cfg = dataclasses.replace(cfg, block_m=wide[0], block_n=wide[1], warps=wide[2])
     return cfg
 
@@ -380,15 +379,18 @@ def choose_backward(dtype, head_dim: int, variant: int, *, key_slabs: int = 0, s
     return pre, main, post
 
 
-# What flash_fwd_sm90 does not serve (choose_forward sends it to flash_fwd): a KV cache's key counts and pages.
-# Varlen it serves, its packed arrays one entry to TMA (flash_fwd_sm90.cu).
-SM90_UNSERVED = SEQUSED | PAGED
-# flash_bwd_sm90 serves what flash_fwd_sm90 does (the softcap's derivative recovered from P at [7]: a tile of
-# it kept from [5] spilled at d = 128), except varlen with ALiBi and dropout together: at d = 128 those spill
-# (4 to 40 bytes, NVRTC 13.0), as the same variants dense do not. And varlen only where NVRTC 13 or newer
-# builds it: NVRTC 12.9's builds spill (8 to 96 bytes at d = 64 and 128, for every varlen variant but the
-# plain and deterministic ones).
-SM90_BWD_UNSERVED = SM90_UNSERVED
+def kv_box_rows(cfg: KernelConfig, page_size: int) -> int:
+    """flash_fwd_sm90 on a paged cache: the rows of one K or V box (flash_fwd_sm90.cu's kv_box_rows), the
+    largest power of two dividing both page_size and block_n."""
+    return min(page_size & -page_size, cfg.block_n)
+
+
+# flash_bwd_sm90 serves dense and varlen batches (a KV cache has no backward), with every variant (the
+# softcap's derivative recovered from P at [7]: a tile of it kept from [5] spilled at d = 128) but varlen with
+# ALiBi and dropout together: at d = 128 those spill (4 to 40 bytes, NVRTC 13.0), as the same variants dense
+# do not. And varlen only where NVRTC 13 or newer builds it: NVRTC 12.9's builds spill (8 to 96 bytes at
+# d = 64 and 128, for every varlen variant but the plain and deterministic ones).
+SM90_BWD_UNSERVED = SEQUSED | PAGED
 SM90_BWD_VARLEN_UNSERVED = ALIBI | DROPOUT
 SM90_BWD_VARLEN_NVRTC = 13  # against _compile.nvrtc_major(), the NVRTC that builds the Hopper kernels
 
@@ -555,7 +557,8 @@ def all_configs() -> list[KernelConfig]:
             decode = [choose_decode(dt, d, v, packed_rows=1) for v in GATED_DECODE_VARIANTS]
             out.extend(c for pair in decode if pair for c in pair if c not in out)
             hopper = [choose_forward(dt, d, v, compute_capability=90)
-                      for v in (0, LOCAL, ALL_VARIANTS & ~(SM90_UNSERVED | VARLEN), ALL_VARIANTS & ~SM90_UNSERVED)]
+                      for v in (0, LOCAL, ALL_VARIANTS & ~VARLEN, ALL_VARIANTS, KVCACHE_VARIANTS & ~PAGED,
+                                KVCACHE_VARIANTS)]
             hopper.append(choose_forward(dt, d, 0, compute_capability=90, seqlen_k=WIDE_KEYS_MIN))
             # the most registers flash_bwd_sm90 serves: every variant dense, and varlen without ALiBi or without
             # dropout (those Hopper configs alone: where it does not serve the head dim, mma.sync ones)

@@ -18,9 +18,11 @@
 //   Sm90FwdSmem.
 // Key blocks are visited from the last to the first (the masked ones first), as in flash_fwd.cu.
 //
-// Serves dense and varlen batches (no KV cache: config.choose_forward sends it to flash_fwd). Varlen arrays
-// are one packed entry to TMA, so a tile past a sequence's end holds the next sequence's rows: masked in S,
-// and zeroed in the V tile (`zero_v_tail`), since 0 * inf in P V would be NaN.
+// Serves dense and varlen batches and KV caches (kSeqused), dense or paged (kPaged: K and V come a box per
+// kv_box_rows(p) rows, each at its page's row, `load_kv`). Varlen arrays are one packed entry to TMA, so a tile
+// past a sequence's end holds the next sequence's rows; a cache's, rows past the entry's key count, whatever
+// it held before. Either way they are masked in S and zeroed in the V tile (`zero_v_tail`), since 0 * inf in
+// P V would be NaN.
 #include "params.cuh"
 #include "common.cuh"
 #include "seqinfo.cuh"
@@ -47,14 +49,23 @@ struct Sm90FwdSmem {  // byte offsets from the 1024-aligned base
     static constexpr unsigned kBytes = kSlack + kBarriers + 8 * (1 + 4 * kStages);
 };
 
+// Paged KV caches: the rows of one K or V box, the largest power of two that divides both the page size (a
+// multiple of 16) and kBlockN (config.kv_box_rows, which encodes the maps' boxes, mirrors it)
+template <int kBlockN>
+__device__ __forceinline__ int kv_box_rows(const FwdParams& p) {
+    return min(p.page_size & -p.page_size, kBlockN);
+}
+
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kVariant>
 __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_sm90(const __grid_constant__ FwdSm90Params params) {
     static_assert(sizeof(T) == 2, "tensor-core kernel: __half or __nv_bfloat16");
     static_assert(kHeadDim % 64 == 0, "whole 128-byte swizzle slabs of 64 columns");
     constexpr int kConsumers = kNWarps / 4 - 1;
     static_assert(kBlockM == 64 * kConsumers, "one consumer warpgroup per 64 query rows");
-    static_assert((kVariant & (kSeqused | kPaged)) == 0, "dense or varlen batches");
-    constexpr bool kIsVarlen = (kVariant & kVarlen) != 0;
+    constexpr bool kIsVarlen = (kVariant & kVarlen) != 0, kIsSeqused = (kVariant & kSeqused) != 0;
+    constexpr bool kIsPaged = (kVariant & kPaged) != 0;
+    static_assert(kBlockN % 16 == 0 && (!kIsPaged || (kBlockN & (kBlockN - 1)) == 0),
+                  "paged: key blocks a power of two, so that whole boxes of kv_box_rows rows tile them");
     using Smem = Sm90FwdSmem<kHeadDim, kBlockM, kBlockN>;
     constexpr int kStages = Smem::kStages;
     constexpr int kNTilesS = kBlockN / 8;   // 8-key column groups of S
@@ -83,7 +94,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_sm90(const __grid_c
 
     // [1] Block coordinates: m_block, head, batch; the mask gives the key blocks to visit
     const int m_block = query_block<kVariant>(), head = blockIdx.y, batch = blockIdx.z;
-    const SeqInfo<kIsVarlen, false> seq(p, batch);
+    const SeqInfo<kIsVarlen, kIsSeqused> seq(p, batch);  // paged: seqlen_k the capacity, clamped by seqused
     const int row_begin = m_block * kBlockM;
     if (row_begin >= seq.seqlen_q) return;  // varlen: a shorter sequence than the grid's
     // TMA coordinates (row, entry) of the entry's row 0: a varlen batch is one packed entry
@@ -111,6 +122,26 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_sm90(const __grid_c
     if (warpgroup == 0) {
         // [2] Producer: the Q tile, then K and V of each key block into a free stage of the ring (TMA)
         setmaxnreg_dec<kProducerRegs>();
+        // K or V of key block n_block into the tile at dst: a box per slab, or (kIsPaged) per slab and
+        // kv_box_rows rows of a page, at that page's row (a page past the table: -1, zeros, as past the pool)
+        auto load_kv = [&](unsigned dst, const TensorMap* map, unsigned bar, int n_block) {
+            if constexpr (kIsPaged) {
+                const int* pages = p.block_table + batch * p.block_table_batch_stride;
+                for (int r = 0; r < kBlockN; r += kv_box_rows<kBlockN>(p)) {
+                    const int key = n_block * kBlockN + r;
+                    const int page = key < p.seqlen_k ? pages[key / p.page_size] : -1;
+#pragma unroll
+                    for (int slab = 0; slab < kHeadDim / 64; ++slab)
+                        tma_load_4d(dst + slab * kSlabKV + r * 128, map, bar, 64 * slab, key % p.page_size, head_k,
+                                    page);
+                }
+            } else {
+#pragma unroll
+                for (int slab = 0; slab < kHeadDim / 64; ++slab)
+                    tma_load_4d(dst + slab * kSlabKV, map, bar, 64 * slab, k_row0 + n_block * kBlockN, head_k,
+                                tma_batch);
+            }
+        };
         if (threadIdx.x == 0) {
             mbarrier_arrive_expect_tx(q_full, Smem::kQ);
 #pragma unroll
@@ -122,16 +153,10 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_sm90(const __grid_c
                 // each tile waits until the consumers are done with the stage's last use of it
                 if (use > 0) mbarrier_wait(k_empty(s), (use - 1) & 1);
                 mbarrier_arrive_expect_tx(k_full(s), Smem::kKV);
-#pragma unroll
-                for (int slab = 0; slab < kHeadDim / 64; ++slab)
-                    tma_load_4d(sK + s * Smem::kKV + slab * kSlabKV, &params.tma_k, k_full(s), 64 * slab,
-                                k_row0 + n_block * kBlockN, head_k, tma_batch);
+                load_kv(sK + s * Smem::kKV, &params.tma_k, k_full(s), n_block);
                 if (use > 0) mbarrier_wait(v_empty(s), (use - 1) & 1);
                 mbarrier_arrive_expect_tx(v_full(s), Smem::kKV);
-#pragma unroll
-                for (int slab = 0; slab < kHeadDim / 64; ++slab)
-                    tma_load_4d(sV + s * Smem::kKV + slab * kSlabKV, &params.tma_v, v_full(s), 64 * slab,
-                                k_row0 + n_block * kBlockN, head_k, tma_batch);
+                load_kv(sV + s * Smem::kKV, &params.tma_v, v_full(s), n_block);
             }
         }
         return;
@@ -223,12 +248,12 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_sm90(const __grid_c
     auto release = [&](unsigned empty) {
         if (lane == 0) mbarrier_arrive(empty);
     };
-    // Varlen: the first key block visited (i = 0, the last of the range) may end past the sequence, its V
-    // rows there the next sequence's. The consumers zero them in stage 0, fence them to the async proxy that
-    // wgmma reads through, and wait for each other.
+    // Varlen, KV cache: the first key block visited (i = 0, the last of the range) may end past the entry's
+    // keys, its V rows there the next sequence's or stale. The consumers zero them in stage 0, fence them to
+    // the async proxy that wgmma reads through, and wait for each other.
     auto zero_v_tail = [&]() {
-        const int first = seqlen_k - (n_block_end - 1) * kBlockN;  // first row past the sequence
-        if (!kIsVarlen || first >= kBlockN) return;
+        const int first = seqlen_k - (n_block_end - 1) * kBlockN;  // first row past the entry's keys
+        if (!(kIsVarlen || kIsSeqused) || first >= kBlockN) return;
         mbarrier_wait(v_full(0), 0);
         zero_tile_rows(sV, kSlabKV, kHeadDim / 64, first, kBlockN, consumer * 128 + tid, 128 * kConsumers);
         fence_proxy_async();

@@ -39,10 +39,21 @@ def test_long_unmasked_hopper_forward_takes_wide_key_blocks():
     assert config.choose_forward("bfloat16", 120, 0, seqlen_k=wide + 1, compute_capability=90).block_n == 176
     for d, variant, seqlen_k, cc in ((128, 0, wide - 1, 90), (128, config.LOCAL, wide, 90),
                                      (128, config.WINDOW, wide, 90), (128, config.SOFTCAP, wide, 90),
-                                     (64, 0, wide, 90), (256, 0, wide, 90), (128, 0, wide, 80)):
+                                     (128, config.SEQUSED, wide, 90), (128, config.SEQUSED | config.PAGED, wide, 90),
+                                     (64, 0, wide, 90),
+                                     (256, 0, wide, 90), (128, 0, wide, 80)):
         cfg = config.choose_forward("bfloat16", d, variant, seqlen_k=seqlen_k, compute_capability=cc)
         assert cfg.block_n != 176, (d, variant, seqlen_k, cc)
     assert config.choose_forward("float16", 128, 0, seqlen_k=wide, compute_capability=90) in config.all_configs()
+
+
+def test_paged_boxes_tile_the_key_blocks():
+    """flash_fwd_sm90 on a paged cache: boxes of the largest power of two dividing the page size and the key
+    block, so that whole boxes tile a block and none crosses a page."""
+    cfg = config.choose_forward("bfloat16", 128, config.SEQUSED | config.PAGED, compute_capability=90)
+    for page_size, rows in ((16, 16), (48, 16), (64, 64), (96, 32), (256, cfg.block_n), (1024, cfg.block_n)):
+        got = config.kv_box_rows(cfg, page_size)
+        assert got == rows and cfg.block_n % got == 0 and page_size % got == 0, (page_size, got)
 
 
 def test_frozen_and_hashable():
@@ -145,22 +156,20 @@ def test_tiles_are_consistent():
 
 
 def test_hopper_forward_choice():
-    """flash_fwd_sm90 serves 16-bit dense and varlen calls on compute capability 9.0 only, no KV cache;
-    kernel_family forces a family."""
+    """flash_fwd_sm90 serves every 16-bit call (dense, varlen, KV caches dense or paged) on compute capability
+    9.0 only; kernel_family forces a family."""
     on_h100 = lambda dt, v=0: config.choose_forward(dt, 128, v, compute_capability=90)  # noqa: E731
     assert on_h100("bfloat16").kernel == "flash_fwd_sm90" and on_h100("bfloat16").family == "sm90"
     assert on_h100("float32").family == "simt"
     assert config.choose_forward("bfloat16", 128, 0, compute_capability=80).family == "mma"
     assert on_h100("float16", config.VARLEN | config.LOCAL).family == "sm90"
-    for unserved in (config.SEQUSED, config.SEQUSED | config.PAGED):
-        assert on_h100("float16", unserved).family == "mma"
+    for v in (config.SEQUSED | config.SOFTCAP, config.SEQUSED | config.PAGED, config.KVCACHE_VARIANTS):
+        assert on_h100("float16", v).family == "sm90", v
     assert config.choose_forward("float16", 96, 0, compute_capability=90).head_dim == 128  # whole 64-column slabs
     assert config.choose_forward("float16", 200, 0, compute_capability=90).head_dim == 256
     assert config.choose_forward("bfloat16", 128, 0, compute_capability=90, family="mma").family == "mma"
     with pytest.raises(ValueError, match="compute capability 9.0"):
         config.choose_forward("bfloat16", 128, 0, compute_capability=80, family="sm90")
-    with pytest.raises(ValueError, match="KV-cache"):
-        config.choose_forward("bfloat16", 128, config.SEQUSED, compute_capability=90, family="sm90")
     with config.kernel_family("mma"):
         assert config.forced_family() == "mma"
     assert config.forced_family() is None

@@ -1,5 +1,5 @@
 """flash_attn_with_kvcache on the GPU (backend="cuda"): every dtype, dense and paged caches (paged
-bitwise equal to dense: the same kernel config reads the same values in the same order), the append in
+bitwise equal to dense: the same tiles read the same values in the same order), the append in
 place, and device-side cache_seqlens / block_table with out-of-range values (clamped: no crash, no read
 or write outside the caches, checked with guard rows around them), check_inputs=True refusing them.
 

@@ -162,6 +162,41 @@ def test_varlen_backward_on_the_hopper_kernel(hopper, d, deterministic, causal):
                      qs, ks, vs, dos, os_, lse[None, :, q0:q1], dqs, dks, dvs)
 
 
+@pytest.mark.parametrize("page_size", [None, 48, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_kv_cache_prefill_on_the_hopper_kernel(hopper, page_size, causal):
+    """flash_attn_with_kvcache with query chunks too long for the decode kernel, on flash_fwd_sm90 (forced: it
+    raises where it cannot serve): a dense cache, or pages of 48 rows (boxes of 16) or 256 (boxes of 128),
+    NaN in every cache row past an entry's keys and table entries past the used pages outside the pool;
+    against the reference over each entry's keys, and paged bitwise equal to dense."""
+    import numpy as np
+    from test_gpu_kvcache import _check, _device, _references
+    from test_kvcache import make_cache
+
+    cp = hopper.cp
+    lens, sq, ps = [300, 0, 660], 100, page_size or 256
+    c = make_cache(np.random.default_rng(ps + causal), 3, sq, 8, 2, 128, 768, sq, lens, page_size=ps,
+                   dtype=hopper.np_dtype("bfloat16"))
+    for i, n in enumerate(c["counts"]):  # stale rows: past the keys after the append
+        for name in ("k", "v"):
+            c[f"{name}_cache"][i, n:] = np.nan
+            for j in range(n, 768):
+                c[f"{name}_cache_paged"][c["block_table"][i, j // ps], j % ps] = np.nan
+        c["block_table"][i, -(-n // ps):] = 1 << 20
+    c = _device(hopper, c)
+    cs = cp.asarray(np.array(lens, dtype=np.int32))
+    ctx = f"page_size={page_size} causal={causal}"
+    with cuflash.kernel_family("sm90"):
+        o, lse = cuflash.flash_attn_with_kvcache(c["q"], c["k_cache"], c["v_cache"], c["k"], c["v"], cache_seqlens=cs,
+                                                 causal=causal, return_lse=True, backend="cuda")
+        _check(hopper, ctx, "bfloat16", o, lse, *_references(hopper, "bfloat16", c, {"causal": causal}))
+        if page_size:
+            o2, lse2 = cuflash.flash_attn_with_kvcache(c["q"], c["k_cache_paged"], c["v_cache_paged"], c["k"], c["v"],
+                                                       cache_seqlens=cs, block_table=c["block_table"], causal=causal,
+                                                       return_lse=True, backend="cuda")
+            assert hopper.same_bits(o2, o) == 0 and hopper.same_bits(lse2, lse) == 0, f"[{ctx}] paged differs"
+
+
 def _training_step(gpu, dtype, causal, key, b, sq, sk, h, hk, d):
     q, k, v = _qkv(gpu, key, dtype, b, sq, sk, h, hk, d)
     do = gpu.randn(gpu.rng(key + "-do"), q.shape, dtype)

@@ -158,7 +158,7 @@ def test_varlen_params_are_packed():
 def test_tensor_map_geometry():
     """The tensor maps of the Hopper kernels (cuflash/_tma.py): innermost first, byte strides, boxes of 64
     columns; a dimension of extent 1 gets a valid stride, an empty one is described as one row; a varlen
-    call's packed arrays are one entry."""
+    call's packed arrays are one entry, a paged cache's pool has pages for entries."""
     from cuflash import _tma
 
     p = np.zeros((), dtype=_params.FWD_PARAMS)
@@ -172,7 +172,11 @@ def test_tensor_map_geometry():
     # varlen: the packed array is one entry of all its rows (batch stride 0, so the batch dimension's stride
     # is only valid), whatever seqlen_q (the longest sequence) and batch (the sequences) say
     p["q_batch_stride"] = 0
-    assert _tma.geometry(p, "q", 128, packed_rows=700) == ((96, 700, 8, 1), (8 * 96 * 2, 96 * 2, 16), (64, 128, 1, 1))
+    assert _tma.geometry(p, "q", 128, (700, 1)) == ((96, 700, 8, 1), (8 * 96 * 2, 96 * 2, 16), (64, 128, 1, 1))
+    # a paged cache's pool: pages of 16 rows, 40 of them, the batch stride the page stride
+    p["k_head_stride"], p["k_batch_stride"] = 96, 16 * 2 * 96
+    p["nheads_k"] = 2
+    assert _tma.geometry(p, "k", 16, (16, 40)) == ((96, 16, 2, 40), (96 * 2, 96 * 2, 16 * 2 * 96 * 2), (64, 16, 1, 1))
     # the backward's dout map: its pointer and strides from BwdParams, the rest from BwdParams.fwd
     pb = np.zeros((), dtype=_params.BWD_PARAMS)
     pb["fwd"] = p

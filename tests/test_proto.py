@@ -77,7 +77,9 @@ API_VARLEN_CASE = (2, 1, 8, "float32", [0, 5, 9], [0, 3, 9],
 # round the ring (the producer waits on k_empty / v_empty). Plain cases against cuflash.reference, those
 # with variants (VARIANT_CASES' keywords) against the NumPy backend. "varlen": (cu_seqlens_q, cu_seqlens_k)
 # over packed arrays of seqlen_q and seqlen_k rows; key rows past cu_seqlens_k[-1] belong to no sequence and
-# hold inf in V, which a tile reaching them must not bring into P V (zero_v_tail).
+# hold inf in V, which a tile reaching them must not bring into P V (zero_v_tail). "seqused": a KV cache of
+# seqlen_k rows and each entry's key count; the rows past it hold NaN (stale), against the NumPy backend's
+# kvcache_forward. "paged": that cache in pages of this many rows (_sm90_kv_cache).
 SM90_CASES = {
     "sm90_f32_d40_causal_sq_lt_sk_ring2": (1, 20, 37, 1, 1, 40, True, "float32", (64, 64, 16, 8), 2, {}),
     "sm90_f32_two_consumers_gqa_ring2": (1, 72, 70, 2, 1, 64, False, "float32", (64, 128, 16, 12), 2, {}),
@@ -98,6 +100,16 @@ SM90_CASES = {
     "sm90_f16_varlen_causal_alibi_dropout": (2, 90, 72, 1, 1, 32, True, "float16", (64, 64, 32, 8), 2,
                                              {"varlen": ([0, 20, 90], [0, 45, 70]), "alibi": (1,), "dropout_p": 0.2,
                                               "seed": 99}),
+    # a cache of 70 rows: 45 keys (a tail in the second key block), none (O = 0, LSE = -inf), all; bottom-right
+    # causal over each entry's own count
+    "sm90_f32_seqused_causal_gqa": (3, 20, 70, 2, 1, 64, True, "float32", (64, 64, 32, 8), 2,
+                                    {"seqused": [45, 0, 70]}),
+    # pages of 16 rows in boxes of 16, a table past the used pages out of the pool (zeros), a window
+    "sm90_f16_paged_window": (2, 24, 96, 2, 2, 32, True, "float16", (64, 64, 32, 8), 2,
+                              {"seqused": [40, 96], "paged": 16, "window": (30, -1)}),
+    # pages of 48 rows in boxes of 16 (48's lowest bit), block_n 64
+    "sm90_f32_paged_48_gqa": (2, 10, 96, 2, 1, 64, False, "float32", (64, 64, 64, 8), None,
+                              {"seqused": [70, 5], "paged": 48}),
 }
 
 # proto/flash_bwd_sm90.py (between flash_bwd.py's preprocess and postprocess), backward only: name -> (batch,
@@ -273,7 +285,8 @@ def _sm90_variant_case(case):
     _numpy_backend."""
     b, sq, sk, h, hk, d, causal, dt, tile, _, variants = case
     varlen = variants.get("varlen")
-    return b, sq, sk, h, hk, d, causal, dt, tile, {k: x for k, x in variants.items() if k != "varlen"}, varlen
+    kw = {k: x for k, x in variants.items() if k not in ("varlen", "seqused", "paged")}
+    return b, sq, sk, h, hk, d, causal, dt, tile, kw, varlen
 
 
 def _sm90_bwd_variant_case(case):
@@ -305,9 +318,11 @@ def _sm90_bwd_turns(case):
     return turns
 
 
-def _sm90_forward(q, k, v, *, causal, softmax_scale, cfg, stages=None, varlen=None, **variants):
+def _sm90_forward(q, k, v, *, causal, softmax_scale, cfg, stages=None, varlen=None, seqused=None, block_table=None,
+                  **variants):
     """(o, lse) of proto/flash_fwd_sm90.py, launched as the Numba backend launches flash_fwd (its _forward),
-    with the same arguments (varlen: packed (1, total, heads, head_dim) arrays)."""
+    with the same arguments (varlen: packed (1, total, heads, head_dim) arrays; seqused: int32 key counts of a
+    cache k, v, page pools with block_table)."""
     import functools
 
     from cuflash.backends import numba as nb
@@ -323,7 +338,8 @@ def _sm90_forward(q, k, v, *, causal, softmax_scale, cfg, stages=None, varlen=No
     launcher.launch(functools.partial(make_flash_fwd_sm90, stages=stages), cfg, (-(-grid_sq // cfg.block_m), h, batch),
                     launcher.inp(q), launcher.inp(k), launcher.inp(v), o, lse, *nb._scales(dt, softmax_scale),
                     *nb._variant_args(launcher, np, dt, h, causal, varlen, **variants),
-                    np.zeros(1, dtype=np.int32), np.zeros((1, 1), dtype=np.int32))
+                    launcher.inp(np.zeros(1, dtype=np.int32) if seqused is None else seqused),
+                    launcher.inp(np.zeros((1, 1), dtype=np.int32) if block_table is None else block_table))
     return nb._finish(None, o, q.dtype), lse
 
 
@@ -377,8 +393,8 @@ def _sm90_refusals() -> list[str]:
     from cuflash.proto.flash_fwd_sm90 import make_flash_fwd_sm90
 
     fails = []
-    bad = [KernelConfig("flash_fwd_sm90", "float16", 64, 128, 64, 12, bits) for bits in (SEQUSED, PAGED)]
-    bad += [KernelConfig("flash_fwd", "float16", 64, 128, 64, 12, 0),  # another kernel
+    bad = [KernelConfig("flash_fwd_sm90", "float16", 64, 128, 48, 12, SEQUSED | PAGED),  # pages, 48-key blocks
+           KernelConfig("flash_fwd", "float16", 64, 128, 64, 12, 0),  # another kernel
             KernelConfig("flash_fwd_sm90", "float16", 64, 96, 64, 12, 0),  # block_m not whole warpgroups
             KernelConfig("flash_fwd_sm90", "float16", 64, 128, 64, 8, 0),  # one warpgroup short
             KernelConfig("flash_fwd_sm90", "float16", 96, 128, 64, 12, 0)]  # head_dim not whole 64-column slabs
@@ -489,10 +505,40 @@ def _sm90_case(name, seed):
         v = v.copy()
         v[cu_k[-1]:] = np.inf  # rows of no sequence
         q, k, v = (x[None] for x in (q, k, v))
-    cfg = KernelConfig("flash_fwd_sm90", dt, cd, bm, bn, warps, _params.variant(causal, packed, **kw))
+    seqused = table = None
+    if "seqused" in case[10]:
+        k, v, seqused, table = _sm90_kv_cache(case, seed, k, v)
+    kvcache = None if seqused is None else (seqused, table)
+    variant = _params.variant(causal, packed, kvcache=kvcache, **kw)
+    cfg = KernelConfig("flash_fwd_sm90", dt, cd, bm, bn, warps, variant)
     o, lse = _sm90_forward(q, k, v, causal=causal, softmax_scale=1.0 / math.sqrt(d), cfg=cfg, stages=stages,
-                           varlen=packed, **kw)
+                           varlen=packed, seqused=seqused, block_table=table, **kw)
     return {"o": o[0], "lse": lse[0]} if packed else {"o": o, "lse": lse}
+
+
+def _sm90_kv_cache(case, seed, k, v):
+    """A SM90_CASES entry's KV cache from its dense k, v: (k, v, seqused, block_table). The rows past each
+    entry's key count hold NaN (stale). "paged": page pools (two spare pages) in a shuffled table whose entries
+    past the used pages point outside the pool (their rows load as zeros)."""
+    b, sk, variants = case[0], case[2], case[10]
+    seqused = np.array(variants["seqused"], dtype=np.int32)
+    k, v = k.copy(), v.copy()
+    for i, n in enumerate(seqused):
+        k[i, n:] = v[i, n:] = np.nan
+    page_size = variants.get("paged")
+    if page_size is None:
+        return k, v, seqused, None
+    rng = np.random.default_rng(seed + 2000)
+    pages = sk // page_size
+    table = rng.permutation(b * pages + 2)[:b * pages].reshape(b, pages).astype(np.int32)
+    pools = []
+    for x in (k, v):
+        pool = rng.standard_normal((b * pages + 2, page_size, *x.shape[2:])).astype(x.dtype)
+        pool[table] = x.reshape(b, pages, page_size, *x.shape[2:])
+        pools.append(pool)
+    for i, n in enumerate(seqused):
+        table[i, -(-n // page_size):] = 1 << 20
+    return (*pools, seqused, table)
 
 
 def _sm90_bwd_case(name, seed):
@@ -807,6 +853,13 @@ def test_sim_sm90_forward(sim, name):
     q, k, v, do, kw = _variant_inputs(seed, _sm90_variant_case(case))
     o, lse = sim[f"{name}/o"], sim[f"{name}/lse"]
     assert o.shape == q.shape and o.dtype == q.dtype
+    if "seqused" in variants:
+        from cuflash.backends import numpy as npb
+
+        k, v, seqused, table = _sm90_kv_cache(case, seed, k, v)
+        want = npb.kvcache_forward(q, k, v, seqused, table, causal=causal, softmax_scale=1.0 / math.sqrt(d), **kw)
+        _compare_with_numpy(sim, name, dict(zip(("o", "lse"), want)), dt, keys=("o", "lse"))
+        return
     if variants:  # varlen too: lse (h, total_q)
         _compare_with_numpy(sim, name, _numpy_backend(_sm90_variant_case(case), seed), dt, keys=("o", "lse"))
         return
@@ -829,8 +882,9 @@ def test_sim_sm90_forward(sim, name):
 
 
 def test_sim_sm90_refusals(sim):
-    """make_flash_fwd_sm90 raises ValueError for seqused, paged, another kernel, a block_m or warps that
-    are not whole warpgroups, a head_dim that is not whole 64-column slabs, a ring of one stage."""
+    """make_flash_fwd_sm90 raises ValueError for a paged cache in key blocks not a power of two, another
+    kernel, a block_m or warps that are not whole warpgroups, a head_dim that is not whole 64-column slabs, a
+    ring of one stage."""
     failure = str(sim["sm90_refusals/failure"])
     assert not failure, failure
 

@@ -16,8 +16,8 @@ import numpy as np
 from .. import _compile, _params, _tma
 from .._checks import check_batch, check_grid_heads
 from .._interop import gpu_status
-from ..config import (DQ_SWIZZLE_SM90, backward_grid, ceil_div, choose_backward, choose_decode, choose_forward,
-                      decode_splits, forced_family)
+from ..config import (DQ_SWIZZLE_SM90, PAGED, backward_grid, ceil_div, choose_backward, choose_decode,
+                      choose_forward, decode_splits, forced_family, kv_box_rows)
 
 ON_DEVICE = True
 MIN_COMPUTE_CAPABILITY = 80  # mma.sync m16n8k16 with bf16 and cp.async need sm_80
@@ -122,8 +122,13 @@ def forward_launches(q, k, v, o, lse, *, causal: bool, softmax_scale: float, var
     if cfg.family == "sm90":
         try:
             boxes = {"q": cfg.block_m, "k": cfg.block_n, "v": cfg.block_n}
-            packed = None if varlen is None else {n: a.shape[1] for n, a in (("q", q), ("k", k), ("v", v))}
-            return TmaLaunches(_tma.SM90Params(_params.FWD_SM90_PARAMS, p, cfg.dtype, boxes, packed),
+            extents = None
+            if varlen is not None:  # the packed arrays, one entry each
+                extents = {n: (a.shape[1], 1) for n, a in (("q", q), ("k", k), ("v", v))}
+            if cfg.variant & PAGED:  # the page pools, a box per kv_box_rows rows of a page
+                boxes["k"] = boxes["v"] = kv_box_rows(cfg, k.shape[1])
+                extents = {n: (k.shape[1], k.shape[0]) for n in ("k", "v")}
+            return TmaLaunches(_tma.SM90Params(_params.FWD_SM90_PARAMS, p, cfg.dtype, boxes, extents),
                                [(cfg, (ceil_div(sq, cfg.block_m), h, b))])
         except _tma.Unencodable:  # strides TMA cannot take (e.g. 0 for a broadcast head): the mma.sync kernel
             if forced_family() == "sm90":
@@ -158,8 +163,9 @@ def backward_launches(do, q, k, v, o, lse, dq, dk, dv, workspace, *, causal: boo
         try:
             p["dq_accum_swizzle"] = DQ_SWIZZLE_SM90
             boxes = {"q": main.block_m, "k": main.block_n, "v": main.block_n, "do": main.block_m}
-            packed = None if varlen is None else {n: a.shape[1] for n, a in (("q", q), ("k", k), ("v", v), ("do", do))}
-            return TmaLaunches(_tma.SM90Params(_params.BWD_SM90_PARAMS, p, main.dtype, boxes, packed),
+            extents = None if varlen is None else {n: (a.shape[1], 1) for n, a in (("q", q), ("k", k), ("v", v),
+                                                                                  ("do", do))}
+            return TmaLaunches(_tma.SM90Params(_params.BWD_SM90_PARAMS, p, main.dtype, boxes, extents),
                                [(cfg, grid(cfg)) for cfg in cfgs])
         except _tma.Unencodable:  # as in forward_launches
             if forced_family() == "sm90":

@@ -8,10 +8,11 @@ accumulator type are closure constants. Launch and arguments are make_flash_fwd'
     grid (ceil(seqlen_q / block_m), nheads, batch), block (warps * 32,)
     kernel[grid, block](q, k, v, o, lse, softmax_scale, scale_log2, *variant_args)
 
-Dense and varlen batches, as the CUDA kernel (LOCAL, WINDOW, SOFTCAP, ALIBI, DROPOUT, VARLEN;
-config.SM90_UNSERVED raises): seqused_k and block_table are taken and never read. As TMA sees them, varlen's
-packed arrays are one entry: a tile past a sequence's end loads the next sequence's rows (zeros only past
-the array), masked in S and zeroed in the V tile by the consumers (zero_v_tail).
+Every variant, varlen and KV caches (SEQUSED), dense or paged (PAGED: k and v page pools, block_table's pages),
+as the CUDA kernel. As TMA sees them, varlen's packed arrays are one entry: a tile past a sequence's end loads
+the next sequence's rows (zeros only past the array); a cache's tile past an entry's key count, rows of
+whatever the cache held. Both are masked in S and zeroed in the V tile by the consumers (zero_v_tail). A
+paged tile comes in boxes of config.kv_box_rows rows, each from its page (load_kv).
 
 Roles, as in CUDA. Warpgroup 0 is the producer: its thread 0 copies the Q tile once, then K and V of
 each key block (last to first) into a ring of kStages stages (Sm90FwdSmem::kStages, config.sm90_stages),
@@ -59,11 +60,11 @@ import math
 
 from numba import cuda, int32, uint64
 
-from ..config import PAGED, SEQUSED, SM90_UNSERVED, longest_first, sm90_stages
+from ..config import PAGED, SEQUSED, longest_first, sm90_stages
 from .dropout import keep
 from .flash_fwd import LOG2E, acc_type, load_tile, thread_layout, variant_flags
 from .mask import n_block_range, needs_mask, score_mod, score_mod_init, visible
-from .seqinfo import batch_index, seq_info
+from .seqinfo import batch_index, seq_info, used_keys
 from .softmax import softmax_finalize, softmax_init, softmax_rescale, softmax_update_correction
 
 WARPGROUP = 128  # threads
@@ -100,9 +101,6 @@ def make_flash_fwd_sm90(cfg, stages=None):
     """
     if cfg.kernel != "flash_fwd_sm90":
         raise ValueError(f"make_flash_fwd_sm90 builds flash_fwd_sm90, not {cfg.kernel}")
-    if cfg.variant & SM90_UNSERVED:
-        names = [n for bit, n in ((SEQUSED, "seqused"), (PAGED, "paged")) if cfg.variant & bit]
-        raise ValueError(f"flash_fwd_sm90 serves no KV cache: not {', '.join(names)}")
     if cfg.block_m <= 0 or cfg.block_m % WG_ROWS or cfg.warps != 4 * (1 + cfg.block_m // WG_ROWS):
         raise ValueError(f"flash_fwd_sm90: block_m must be a multiple of {WG_ROWS} and warps 4 * (1 + block_m / "
                          f"{WG_ROWS}) (a producer and one consumer warpgroup per {WG_ROWS} rows), got "
@@ -118,6 +116,10 @@ def make_flash_fwd_sm90(cfg, stages=None):
     CONSUMERS = cfg.warps // 4 - 1  # kConsumers
     LONGEST_FIRST = longest_first(cfg.variant)  # mask.cuh query_block
     IS_LOCAL, IS_SOFTCAP, IS_ALIBI, IS_DROPOUT, IS_VARLEN, TRANSFORM = variant_flags(cfg)
+    IS_SEQUSED = bool(cfg.variant & SEQUSED)
+    IS_PAGED = bool(cfg.variant & PAGED)
+    if IS_PAGED and BLOCK_N & (BLOCK_N - 1):
+        raise ValueError(f"flash_fwd_sm90: a paged cache takes key blocks of a power of two, got {BLOCK_N}")
     ACC = acc_type(cfg.dtype)
     # A consumer thread's share of its warpgroup's 64 rows: rows row0 + r * ROW_STRIDE, columns lane + j * TPR
     TPR, ROW_STRIDE, RPT, S_CPT = thread_layout(WG_ROWS, BLOCK_N, WARPGROUP)
@@ -147,13 +149,16 @@ def make_flash_fwd_sm90(cfg, stages=None):
         return 1 + 3 * STAGES + stage
 
     @cuda.jit(device=True)
-    def block_coordinates(q, k, cu_seqlens_q, cu_seqlens_k, window_left, window_right):
+    def block_coordinates(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, window_left, window_right):
         # [1] Block coordinates: m_block, head, batch; the mask gives the key blocks to visit
         m_block = cuda.gridDim.x - 1 - cuda.blockIdx.x if LONGEST_FIRST else cuda.blockIdx.x
         head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
+        # the cache's capacity: k's rows, or (paged: k a page pool) max_pages * page_size
+        capacity = block_table.shape[1] * k.shape[1] if IS_PAGED else k.shape[1]
         q_start, k_start, seqlen_q, seqlen_k = seq_info(IS_VARLEN, cu_seqlens_q, cu_seqlens_k, batch, q.shape[1],
-                                                        k.shape[1])
+                                                        capacity)
+        seqlen_k = used_keys(IS_SEQUSED, seqused_k, batch, seqlen_k)
         head_k = head // (q.shape[2] // k.shape[2])  # GQA
         n_block_min, n_block_end = n_block_range(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k,
                                                  BLOCK_M, BLOCK_N, m_block)
@@ -161,8 +166,28 @@ def make_flash_fwd_sm90(cfg, stages=None):
                 n_block_end)
 
     @cuda.jit(device=True)
+    def load_kv(s, g, tma_batch, head_k, k_row0, key0, block_table, batch):
+        # K or V of the key block from key0 into s (CUDA: load_kv's TMA boxes). Dense, varlen: the array's rows
+        # from the entry's row k_row0, zeros past the array. Paged: boxes of kv_box_rows rows, each at its page's
+        # row, zeros for a page outside the pool or past the table (capacity: max_pages * page_size keys)
+        head_dim = g.shape[3]
+        if not IS_PAGED:
+            load_tile(s, g, tma_batch, k_row0 + key0, head_k, g.shape[1], head_dim, 0, 1)
+            return
+        page_size = g.shape[1]
+        box = min(page_size & -page_size, BLOCK_N)  # config.kv_box_rows
+        for r0 in range(0, BLOCK_N, box):
+            key = key0 + r0
+            page = block_table[batch, key // page_size] if key < block_table.shape[1] * page_size else -1
+            for r in range(box):
+                for c in range(s.shape[1]):
+                    s[r0 + r, c] = 0
+                    if 0 <= page < g.shape[0] and c < head_dim:
+                        s[r0 + r, c] = g[page, key % page_size + r, head_k, c]
+
+    @cuda.jit(device=True)
     def producer(tile, bars, sQ, sK, sV, q, k, v, tma_batch, head, head_k, q_row0, k_row0, row_begin, n_block_end,
-                 n_blocks):
+                 n_blocks, block_table, batch):
         # [2] Producer: the Q tile, then K and V of each key block into a free stage of the ring (TMA)
         # The CUDA producer's copies in its order, from copy `tile` on: -1 the Q tile, 2 i K of key block i
         # (n_block = n_block_end - 1 - i), 2 i + 1 its V. Returns the first copy it could not issue yet
@@ -182,12 +207,12 @@ def make_flash_fwd_sm90(cfg, stages=None):
             if tile % 2 == 0:
                 if use > 0 and not mbarrier_try_wait(bars, k_empty(stage), use - 1, EMPTY_COUNT):
                     break
-                load_tile(sK[stage], k, tma_batch, k_row0 + key0, head_k, k.shape[1], head_dim, 0, 1)  # CUDA: TMA
+                load_kv(sK[stage], k, tma_batch, head_k, k_row0, key0, block_table, batch)  # CUDA: TMA
                 mbarrier_arrive(bars, k_full(stage))
             else:
                 if use > 0 and not mbarrier_try_wait(bars, v_empty(stage), use - 1, EMPTY_COUNT):
                     break
-                load_tile(sV[stage], v, tma_batch, k_row0 + key0, head_k, k.shape[1], head_dim, 0, 1)  # CUDA: TMA
+                load_kv(sV[stage], v, tma_batch, head_k, k_row0, key0, block_table, batch)  # CUDA: TMA
                 mbarrier_arrive(bars, v_full(stage))
             tile += 1
         return tile
@@ -261,11 +286,12 @@ def make_flash_fwd_sm90(cfg, stages=None):
 
     @cuda.jit(device=True)
     def zero_v_tail(bars, sV, seqlen_k, n_block_end, consumer, tid):
-        # Varlen: the first key block visited (i = 0) may end past the sequence, its V rows there the next
-        # sequence's; the consumers zero them in stage 0 (CUDA: 16-byte stores shared out over the consumer
-        # warpgroups, fence.proxy.async, a named barrier of theirs; here the caller's syncthreads)
-        first = seqlen_k - (n_block_end - 1) * BLOCK_N  # first row past the sequence
-        if not IS_VARLEN or first >= BLOCK_N:
+        # Varlen, KV cache: the first key block visited (i = 0) may end past the entry's keys, its V rows there
+        # the next sequence's or stale; the consumers zero them in stage 0 (CUDA: 16-byte stores shared out
+        # over the consumer warpgroups, fence.proxy.async, a named barrier of theirs; here the caller's
+        # syncthreads)
+        first = seqlen_k - (n_block_end - 1) * BLOCK_N  # first row past the entry's keys
+        if not (IS_VARLEN or IS_SEQUSED) or first >= BLOCK_N:
             return
         mbarrier_wait(bars, v_full(0), 0, FULL_COUNT)
         for e in range(consumer * WARPGROUP + tid, (BLOCK_N - first) * HEAD_DIM, WARPGROUP * CONSUMERS):
@@ -290,7 +316,8 @@ def make_flash_fwd_sm90(cfg, stages=None):
         bars = cuda.shared.array(N_BARS, int32)
 
         (m_block, head, batch, head_k, q_start, k_start, seqlen_q, seqlen_k, n_block_min,
-         n_block_end) = block_coordinates(q, k, cu_seqlens_q, cu_seqlens_k, window_left, window_right)
+         n_block_end) = block_coordinates(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, window_left,
+                                          window_right)
         row_begin = m_block * BLOCK_M
         if row_begin >= seqlen_q:
             return  # varlen: a shorter sequence than the grid's
@@ -308,7 +335,7 @@ def make_flash_fwd_sm90(cfg, stages=None):
         tile = -1
         if cuda.threadIdx.x == 0:
             tile = producer(tile, bars, sQ, sK, sV, q, k, v, bidx, head, head_k, q_start, k_start, row_begin,
-                            n_block_end, n_blocks)
+                            n_block_end, n_blocks, block_table, batch)
         cuda.syncthreads()  # the copies have landed (CUDA: the consumers wait on q_full, k_full, v_full)
 
         # Consumers (CUDA: setmaxnreg.inc to kConsumerRegs). consumer -1: the producer warpgroup, no rows.
@@ -362,7 +389,7 @@ def make_flash_fwd_sm90(cfg, stages=None):
             cuda.syncthreads()  # end of the phase: the releases are in
             if cuda.threadIdx.x == 0:
                 tile = producer(tile, bars, sQ, sK, sV, q, k, v, bidx, head, head_k, q_start, k_start, row_begin,
-                                n_block_end, n_blocks)
+                                n_block_end, n_blocks, block_table, batch)
             cuda.syncthreads()  # and the copies they allowed have landed
         if consumer >= 0 and n_blocks > 0:
             issue_pv(n_blocks - 1, acc_o, bars, sP, sV, row0, lane)
