@@ -4,7 +4,8 @@ dims 40 / 64 / 128 / 256, GQA, forward and backward (non-causal cases determinis
 causal ones atomic, which on sm_90 is the Hopper backward up to d = 128), through
 the public API with backend="cuda"; then the attention variants (window, softcap, ALiBi, dropout) on
 packed varlen batches with an empty sequence, every dtype (the backward's atomic dQ adds); then
-flash_attn_with_kvcache's decode kernel, dense and paged caches, split and not.
+flash_attn_with_kvcache, dense and paged caches: the decode kernel, split and not, and query chunks past its
+rows (on sm_90 the Hopper forward).
 
     python3 bench/sanitize_cases.py [--quick]
 
@@ -92,6 +93,9 @@ DECODE_CASES = [
     ("bfloat16", 128, 2, 3, 4, 1, (200, 1), 256, 64, 5, dict(causal=True)),
     ("float16", 256, 2, 2, 2, 2, (77, 0), 128, 16, 1, dict(window=(20, 0), softcap=3.0)),
     ("bfloat16", 40, 1, 5, 16, 2, (300,), 320, 64, 0, dict(causal=True, window=(50, -1))),
+    # query chunks past the decode kernel's rows: flash_fwd_sm90 on Hopper (kSeqused, kPaged in boxes of 16)
+    ("float16", 64, 3, 70, 4, 1, (0, 130, 190), 256, None, 1, dict(causal=True)),
+    ("bfloat16", 128, 2, 100, 4, 2, (300, 37), 384, 48, 1, {}),
 ]
 
 

@@ -438,7 +438,7 @@ def choose_decode(dtype, head_dim: int, variant: int, *, packed_rows: int, num_s
                   family: str | None = None, smem_limit: int | None = None) -> tuple[KernelConfig, KernelConfig] | None:
     """(flash_decode, flash_decode_combine) configs of a KV-cache call, or None where flash_fwd serves it:
     another dtype, a variant in DECODE_UNSERVED, more than DECODE_MAX_ROWS packed rows (seqlen_q * group)
-    without num_splits > 1, family "sm90" (which serves no KV-cache call), or a block that needs more shared
+    without num_splits > 1, family "sm90" (flash_fwd_sm90 serves the call), or a block that needs more shared
     memory than smem_limit (the device's, where given: sm_86 / sm_89 grant 99 KiB)."""
     dt = dtype_name(dtype)
     if (dt not in TENSOR_CORE_DTYPES or variant & DECODE_UNSERVED or family == "sm90"
