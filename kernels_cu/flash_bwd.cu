@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
     constexpr int kDqDCols = kHeadDim / kDqWD;
     constexpr int kDqChunk = kDqDCols % 32 == 0 ? 32 : 16;  // dims per pass through the fp32 registers
     static_assert(kNWarps % kDqWM == 0 && kDqDCols % kDqChunk == 0, "dQ's share splits over the warps");
-    using Mod = ScoreMod<float, kVariant, true>;
+    using Mod = ScoreMod<float, kVariant, kTanhExp2>;
     constexpr int kNTilesCap = (kVariant & kSoftcap) ? kNTilesQ : 1;  // the softcap derivative's tile
 
     unsigned dyn_smem;

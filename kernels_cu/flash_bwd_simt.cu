@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_simt(const __g
     static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16");
     static_assert(kHeadDim % (8 * kVec) == 0, "kHeadDim must be a multiple of 32");
     constexpr bool kIsDropout = (kVariant & kDropout) != 0;
-    using Mod = ScoreMod<A, kVariant, false>;
+    using Mod = ScoreMod<A, kVariant, kTanhLibrary>;
 
     extern __shared__ __align__(16) char smem[];
     {
@@ -402,7 +402,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dq_simt(const __gri
     static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16");
     static_assert(kHeadDim % (8 * kVec) == 0, "kHeadDim must be a multiple of 32");
     constexpr bool kIsDropout = (kVariant & kDropout) != 0;
-    using Mod = ScoreMod<A, kVariant, false>;
+    using Mod = ScoreMod<A, kVariant, kTanhLibrary>;
 
     extern __shared__ __align__(16) char smem[];
     {

@@ -95,7 +95,7 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
     constexpr unsigned kSlabKV = kBlockN * 128, kSlabQ = kBlockM * 128;  // bytes of one 64-column slab
     constexpr bool kIsDropout = (kVariant & kDropout) != 0;
     constexpr bool kIsSoftcap = (kVariant & kSoftcap) != 0;
-    using Mod = ScoreMod<float, kVariant, true>;
+    using Mod = ScoreMod<float, kVariant, kTanhExp2>;
     const BwdParams& p = params.bwd;
     constexpr int kProducerRegs = 24, kConsumerRegs = 240;
     static_assert(kProducerRegs + kConsumers * kConsumerRegs <= (1 + kConsumers) * launch_regs(kNWarps * 32),

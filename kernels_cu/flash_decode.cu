@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_decode(const __grid_con
     constexpr unsigned kSmemBytes = kBlockM * kPitch * sizeof(T) + kRingBytes;
     static_assert(kNWarps * kBlockM * (kHeadDim + 2) * sizeof(float) <= kRingBytes, "the merge fits in the ring");
     constexpr bool kIsPaged = (kVariant & kPaged) != 0;
-    using Mod = ScoreMod<float, kVariant, true>;
+    using Mod = ScoreMod<float, kVariant, kTanhApprox>;
     const FwdParams& p = dp.fwd;
 
     unsigned dyn_smem;

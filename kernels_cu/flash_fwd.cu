@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const __grid_constant_
     // Q's A fragments stay in registers when small; otherwise they are re-read from sQ per key block.
     constexpr bool kQInRegs = kMTiles * kHeadDim <= 128;
     constexpr unsigned kSmemBytes = (kBlockM + 2 * kBlockN) * kPitch * sizeof(T);
-    using Mod = ScoreMod<float, kVariant, true>;
+    using Mod = ScoreMod<float, kVariant, kTanhApprox>;
 
     unsigned dyn_smem;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));

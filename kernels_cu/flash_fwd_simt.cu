@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_simt(const __grid_c
     static_assert(kCols >= 1 && kBlockN % kThreadsN == 0 && kBlockN % 16 == 0, "kBlockN must be a multiple of 16");
     static_assert(kHeadDim % (kThreadsN * kVec) == 0, "kHeadDim must be a multiple of 32");
     constexpr bool kIsDropout = (kVariant & kDropout) != 0;
-    using Mod = ScoreMod<A, kVariant, false>;
+    using Mod = ScoreMod<A, kVariant, kTanhLibrary>;
 
     extern __shared__ __align__(16) char smem[];
     {

@@ -117,21 +117,35 @@ struct Mask {
     }
 };
 
-// tanh(x) from u = x * 2 log2(e), which the caller folds into a multiply of its own: 1 - 2 / (e^2x + 1),
-// one ex2 and one fast reciprocal, exact to about 1e-7 absolute (what a logit needs; tanhf is several
-// times longer; tanh.approx's 2^-11 relative error would show in bf16 results). Saturates to +-1, no NaN.
-__device__ __forceinline__ float tanh_fast(float u) { return 1.f - __fdividef(2.f, exp2f(u) + 1.f); }
+// The softcap's tanh, three ways (ScoreMod's kTanh):
+// - kTanhApprox, the tensor-core forward kernels: tanh.approx.f32, one op of the multi-function unit (relative
+//   error about 2^-11). 1 - 2 / (e^2x + 1) took two, and with the softmax's exp2 that unit bound the forward
+//   (1.6x plain attention's time on the H200). Its error in a logit, at most softcap * 2^-11, is below what
+//   rounding q.k to 16 bits costs a materialized implementation (the accuracy rule's baseline); the GPU tests'
+//   softcap cases cover tanh's linear, curved and saturated ranges, and the LSE to 1e-4.
+// - kTanhExp2, the tensor-core backward kernels: 1 - 2 / (e^2x + 1) from u = 2x log2(e) (folded into
+//   ScoreMod::tanh_in), one ex2 and one fast reciprocal, exact to about 1e-7: the derivative 1 - t^2 needs t
+//   exact where tanh saturates, and the backward's GEMMs leave that unit time to spare.
+// - kTanhLibrary, the SIMT kernels (fp32 / fp64 outputs): the library's tanh.
+// All saturate to +-1, no NaN.
+enum TanhKind { kTanhApprox, kTanhExp2, kTanhLibrary };
 
-// The score transform of kSoftcap / kAlibi for one (batch, head). kFast: tanh_fast (tensor-core
-// kernels, 16-bit outputs) rather than the library's tanh (SIMT kernels, fp32 / fp64 outputs).
+__device__ __forceinline__ float tanh_approx(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float tanh_exp2(float u) { return 1.f - __fdividef(2.f, exp2f(u) + 1.f); }
+
+// The score transform of kSoftcap / kAlibi for one (batch, head), its tanh computed as kTanh says.
 // Held units (header): logit = unit * held, unit = softcap with a softcap, else softmax_scale. Every
 // per-score constant is folded here once, so a score costs one multiply into tanh and one FFMA of ALiBi.
-template <typename A, int kVariant, bool kFast>
+template <typename A, int kVariant, int kTanh>
 struct ScoreMod {
     static constexpr bool kIsSoftcap = (kVariant & kSoftcap) != 0;
     static constexpr bool kTransform = (kVariant & (kSoftcap | kAlibi)) != 0;
     A unit;         // logit per held unit: softcap, or softmax_scale
-    A tanh_in;      // q.k -> tanh's argument scale / softcap, times 2 log2(e) with kFast
+    A tanh_in;      // q.k -> tanh's argument scale / softcap, times 2 log2(e) for kTanhExp2
     A bias;         // ALiBi slope per held unit: slope / unit
     A score_log2_;  // exp2's scale: unit * log2(e)
     int shift;
@@ -139,7 +153,7 @@ struct ScoreMod {
     __device__ __forceinline__ ScoreMod(const FwdParams& p, int batch, int head, int shift_) : shift(shift_) {
         const A scale = static_cast<A>(p.softmax_scale);
         unit = kIsSoftcap ? static_cast<A>(p.softcap) : scale;
-        tanh_in = kIsSoftcap ? scale / unit * (kFast ? A(2.8853900817779268) : A(1)) : A(0);
+        tanh_in = kIsSoftcap ? scale / unit * (kTanh == kTanhExp2 ? A(2.8853900817779268) : A(1)) : A(0);
         const A slope = (kVariant & kAlibi) ? static_cast<A>(p.alibi_slopes[batch * p.alibi_batch_stride + head]) : A(0);
         // |bias| <= 2^100 (2^1000): bias * |i' - j| stays finite, so a masked -inf stays -inf (and such
         // a slope leaves every off-diagonal P 0 either way)
@@ -162,7 +176,8 @@ struct ScoreMod {
         if constexpr (!kTransform) return s;
         A x = s;
         if constexpr (kIsSoftcap) {
-            if constexpr (kFast) x = tanh_fast(s * tanh_in);
+            if constexpr (kTanh == kTanhApprox) x = tanh_approx(s * tanh_in);
+            else if constexpr (kTanh == kTanhExp2) x = tanh_exp2(s * tanh_in);
             else x = tanh(s * tanh_in);
             dcap = A(1) - x * x;
         }

@@ -31,6 +31,11 @@ CASES = [
     ("window-empty-rows", "bfloat16", 1, 300, 90, 2, 2, 64, dict(window=(5, 0))),
     ("softcap", "bfloat16", 2, 256, 320, 4, 4, 128, dict(softcap=2.0)),
     ("softcap", "float64", 1, 100, 130, 2, 1, 32, dict(softcap=1.5)),
+    # tanh's ranges on the 16-bit kernels (tanh.approx there): logits of about +-1 against caps of 0.3
+    # (saturated) and 30 with softmax_scale 1 (logits to about +-40: the curved range at a model's cap)
+    ("softcap-saturated", "bfloat16", 2, 256, 320, 4, 2, 128, dict(softcap=0.3)),
+    ("softcap-curved", "bfloat16", 2, 256, 320, 4, 2, 128, dict(softcap=30.0, softmax_scale=1.0)),
+    ("softcap-curved-fp16", "float16", 2, 200, 260, 4, 4, 64, dict(softcap=30.0, softmax_scale=1.0)),
     ("alibi-h-causal", "bfloat16", 2, 192, 192, 4, 2, 64, dict(alibi_slopes="h", causal=True)),
     ("alibi-bh", "float32", 2, 130, 170, 4, 4, 96, dict(alibi_slopes="bh")),
     ("dropout", "bfloat16", 2, 256, 300, 4, 2, 128, dict(dropout_p=0.17, seed=2**40 + 7, offset=3)),

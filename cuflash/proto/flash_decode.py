@@ -49,7 +49,7 @@ Differences from the CUDA kernel:
   (backends/numba.py also routes float32 / float64 calls here; CUDA's flash_decode is fp16 / bf16 only), bf16 as
   float32 copies. Stores skip columns past head_dim one by one (CUDA stores 16-byte chunks of a head_dim that
   is a multiple of 8).
-- The softcap uses math.tanh (the library's tanh), not tanh_fast; exp / exp2 / log are Numba's libdevice ones.
+- The softcap uses math.tanh (the library's tanh), not tanh_approx; exp / exp2 / log are Numba's libdevice ones.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ exp2((old_max - new_max) * scale_log2) (see softmax.py for why). float16 arrays 
 bfloat16 ones arrive as float32 copies (cuflash/backends/numba.py: Numba has no bfloat16 array type).
 Variants: the rules and their order are flash_fwd.cu's (mask.py, seqinfo.py, dropout.py), but a
 thread does not hold its scores in the mma.sync C layout, so it takes one Philox call per keep flag
-(dropout.py keep, as the SIMT kernels do) and the softcap uses math.tanh, not tanh_fast.
+(dropout.py keep, as the SIMT kernels do) and the softcap uses math.tanh, not tanh_approx.
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ def score_mod_init(is_softcap, scale, softcap, slope, scale_log2, log2e):
     # scores in units of logit / unit (unit = softcap with a softcap, else scale: q.k, as plain
     # attention), so that unit rides on exp2's scale (score_log2) and the LSE's factor (unit) rather than
     # costing a multiply per score. log2e: LOG2E as acc_t (a Python float would promote to float64).
-    # (The CUDA ScoreMod also clamps bias to a finite value and, with tanh_fast, folds 2 log2(e) into tanh_in.)
+    # (The CUDA ScoreMod also clamps bias to a finite value and, for kTanhExp2, folds 2 log2(e) into tanh_in.)
     unit = softcap if is_softcap else scale
     tanh_in = scale / unit
     bias = slope / unit
@@ -122,7 +122,8 @@ def score_mod(is_softcap, is_alibi, tanh_in, bias, shift, s, row, col):
     # In held units (score_mod_init): t = tanh(scale * q.k / softcap) (else q.k), minus bias * |i' - j|.
     # Returns (the held score, dcap = d logit / d(scale * q.k) = 1 - t^2, 1 without a softcap). Only
     # called when is_softcap or is_alibi (mask.cuh's kTransform): plain scores stay as they are.
-    # tanh: the library's (ScoreMod<kFast = false>, as the SIMT kernels; the tensor-core ones use tanh_fast).
+    # tanh: the library's (ScoreMod's kTanhLibrary, as the SIMT kernels; the tensor-core ones take tanh_approx
+    # forward and tanh_exp2 backward).
     dcap = 1.0
     x = s
     if is_softcap:
