@@ -140,7 +140,7 @@ __device__ __forceinline__ float tanh_exp2(float u) { return 1.f - __fdividef(2.
 // The score transform of kSoftcap / kAlibi for one (batch, head), its tanh computed as kTanh says.
 // Held units (header): logit = unit * held, unit = softcap with a softcap, else softmax_scale. Every
 // per-score constant is folded here once, so a score costs one multiply into tanh and one FFMA of ALiBi.
-template <typename A, int kVariant, int kTanh>
+template <typename A, int kVariant, TanhKind kTanh>
 struct ScoreMod {
     static constexpr bool kIsSoftcap = (kVariant & kSoftcap) != 0;
     static constexpr bool kTransform = (kVariant & (kSoftcap | kAlibi)) != 0;
