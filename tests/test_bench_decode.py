@@ -27,7 +27,7 @@ def test_decode_params_and_cells():
                          (8, 32, 8, 32768, 128, 256), (1, 32, 8, 131072, 128, None), (64, 32, 8, 4096, 128, None),
                          (8, 16, 16, 16384, 64, None)]
     assert (p["dtype"], p["causal"], p["seqlen_q"], p["modes"]) == ("bfloat16", False, 1, ["fwd"])
-    assert p["implementations"] == ["cuflash", "torch-flash", "torch-cudnn", "copy"]
+    assert p["implementations"] == ["cuflash", "cuflash-append", "torch-flash", "torch-cudnn", "copy"]
     assert "far above the L2" in p["method"] and "2 x those bytes" in p["method"]
     cells = decode.cells(p)
     assert [c.kv_bytes for c in cells] == [GiB] * 4 + [GiB // 2, GiB, GiB // 2]  # 2 B len H_kv d itemsize
@@ -37,10 +37,10 @@ def test_decode_params_and_cells():
     assert cells[2].extra() == {"nheads_k": 8, "page_size": 64, "cache": "paged 64", "kv_bytes": GiB}
     c = suite_cases("decode", p)[4]
     assert (c.batch, c.nheads, c.seqlen_q, c.seqlen_k, c.head_dim, c.causal) == (1, 32, 1, 131072, 128, False)
-    assert cell_count("decode", p, 6) == 7 * 4
+    assert cell_count("decode", p, 6) == 7 * 5
     q = suite_params("decode", Settings(quick=True, dtype="float16", backends=("cuflash", "torch-cudnn")), "gpu")
     assert shapes(q) == [(8, 32, 8, 32768, 128, None), (8, 32, 8, 32768, 128, 64)]
-    assert q["dtype"] == "float16" and q["implementations"] == ["cuflash", "torch-cudnn", "copy"]
+    assert q["dtype"] == "float16" and q["implementations"] == ["cuflash", "cuflash-append", "torch-cudnn", "copy"]
     # the options that shape other suites leave decode's shapes alone
     assert shapes(suite_params("decode", Settings(batch=2, heads=4, head_dim=64, seqlens=(512,)), "gpu")) == shapes(p)
 
@@ -85,7 +85,7 @@ def _rows(cell, ms: dict) -> list[dict]:
             continue
         extra = {"gqa": "enable_gqa"} if impl.startswith("torch-") else {}
         out.append(report.make_row(cell.case.shape(), cell.dtype, False, impl, "fwd", ms_median=t, ms_min=t * 0.99,
-                                   ms_max=t * 1.02, n_runs=10, n_input_sets=1, layout="x", **extra, **cell.extra(),
+                                   ms_max=t * 1.02, n_runs=10, n_input_sets=1, layout="x", host_us_median=25.0, **extra, **cell.extra(),
                                    **decode.bandwidth(cell, impl, t)))
     return out
 
@@ -165,23 +165,23 @@ def test_decode_suite_with_fakes(fakes):
     out = Runner(s, advance=lambda suite, text: steps.append(suite)).run("gpu")
     suite = out["decode"]
     assert suite["status"] == "partial", suite.get("traceback")  # torch-cudnn unavailable
-    assert len(steps) == total_steps(s, "gpu") - len(kernel_configs(s, ["decode"])) == 28
+    assert len(steps) == total_steps(s, "gpu") - len(kernel_configs(s, ["decode"])) == 35
     # one Data per dense shape: the paged cells reuse the first shape's
     assert [d.cell.page_size for d in FakeData.made] == [None] * 4
-    assert [x for x, _ in FakeData.made[0].used] == ["dense"] * 3 + ["paged 16"] * 3 + ["paged 64"] * 3 + \
-        ["paged 256"] * 3
+    assert [x for x, _ in FakeData.made[0].used] == ["dense"] * 4 + ["paged 16"] * 4 + ["paged 64"] * 4 + \
+        ["paged 256"] * 4
     rows = suite["rows"]
-    assert [r["implementation"] for r in rows] == ["cuflash", "torch-flash", "torch-cudnn", "copy"] * 7
-    assert [r["family"] for r in rows[:4]] == ["mma", "torch-flash", "cudnn", "memcpy"]
+    assert [r["implementation"] for r in rows] == ["cuflash", "cuflash-append", "torch-flash", "torch-cudnn", "copy"] * 7
+    assert [r["family"] for r in rows[:5]] == ["mma", "mma", "torch-flash", "cudnn", "memcpy"]
     for r in rows:
         assert (r["mode"], r["causal"], r["shape"]["seqlen_q"]) == ("fwd", False, 1) and "kv_bytes" in r
         if r["implementation"] == "torch-cudnn":
             assert (r["status"], r["reason"]) == ("unavailable", "torch not importable (test)")
             continue
-        assert r["status"] == "ok" and r["n_runs"] == 10 and r["copy_fraction"] > 0
+        assert r["status"] == "ok" and r["n_runs"] == 10 and r["copy_fraction"] > 0 and r["host_us_median"] > 0
         assert r["tb_per_s"] == pytest.approx(r["bytes_per_call"] / (r["ms_median"] * 1e-3) / 1e12)
-    assert rows[3]["copy_fraction"] == 1.0 and rows[3]["bytes_per_call"] == 2 * rows[3]["kv_bytes"]
-    assert [r["cache"] for r in rows[::4]] == ["dense", "paged 16", "paged 64", "paged 256"] + ["dense"] * 3
+    assert rows[4]["copy_fraction"] == 1.0 and rows[4]["bytes_per_call"] == 2 * rows[4]["kv_bytes"]
+    assert [r["cache"] for r in rows[::5]] == ["dense", "paged 16", "paged 64", "paged 256"] + ["dense"] * 3
     doc, text = document_and_text(s, out)
     assert "decode (gpu, partial" in text and "one query row over a KV cache" in text
     assert "cuflash (mma) ms" in text and "8x32x8x32768x128" in text and "paged 256" in text
@@ -203,7 +203,7 @@ def test_decode_table_from_rows():
     suite = {"platform": "gpu", "status": "partial", "reason": None, "seconds": 12.0, "params": p, "rows": rows}
     meta = report.make_meta({}, "gpu", None, argv=["cuflash"])
     assert report.validate(report.document(meta, {"decode": suite})) == []
-    t, not_run = report.tables("decode", suite)
+    t, host, not_run = report.tables("decode", suite)
     assert t.header == ["B x H x H_kv x len x d", "cache", "splits", "K + V", "copy TB/s", "cuflash (mma) ms",
                         "cuflash TB/s (of copy)", "torch-flash ms", "torch-flash TB/s (of copy)",
                         "torch-cudnn (cudnn) ms", "torch-cudnn TB/s (of copy)"]
@@ -211,6 +211,9 @@ def test_decode_table_from_rows():
     assert t.rows[0] == ["8x32x8x32768x128", "dense", "2", "1.0 GiB", "3.58", "0.500", "2.15 (60%)", "0.400",
                          "2.68 (75%)", "0.300", "3.58 (100%)"]
     assert t.rows[1][:3] == ["8x32x8x32768x128", "paged 256", ""] and t.rows[1][7:9] == ["unavailable", ""]
+    assert host.header == ["B x H x H_kv x len x d", "cache", "cuflash", "torch-flash", "torch-cudnn"]
+    assert host.rows == [["8x32x8x32768x128", "dense", "25.0", "25.0", "25.0"],
+                         ["8x32x8x32768x128", "paged 256", "25.0", "unavailable", "25.0"]]
     assert t.caption == p["method"] and not_run.rows == [["torch-flash: unavailable: no kernel"]]
     lines = report.summary_lines("decode", suite)
     assert lines[0] == "decode: cuflash 1.95-2.15 TB/s, 55%-60% of the copy's (K and V read)"
@@ -218,6 +221,7 @@ def test_decode_table_from_rows():
     assert "decode: copy 3.58-3.58 TB/s (read + written)" in lines
     md = report.markdown({"decode": suite})
     assert "| 8x32x8x32768x128 | dense | 2 | 1.0 GiB | 3.58 | 0.500 | 2.15 (60%) |" in md
+    assert "| 8x32x8x32768x128 | paged 256 | 25.0 | unavailable | 25.0 |" in md
 
 
 def test_cli_skips_decode_without_a_gpu(monkeypatch, tmp_path):

@@ -19,15 +19,18 @@ SHAPES = ((8, 32, 8, 32768, 128), (1, 32, 8, 131072, 128), (64, 32, 8, 4096, 128
 PAGE_SIZES = (16, 64, 256)
 QUICK_PAGE_SIZES = (64,)
 COPY = "copy"
-IMPLS = ("cuflash", "torch-flash", "torch-cudnn", COPY)  # the order of a cell's rows, and of the table
+APPEND = "cuflash-append"  # a decoding step: one new row per entry written into the cache, then attended over
+IMPLS = ("cuflash", APPEND, "torch-flash", "torch-cudnn", COPY)  # the order of a cell's rows, and of the table
 ON_CPU = "it times flash_attn_with_kvcache over KV caches of 0.5-1 GiB on a CUDA GPU; this run is on the CPU"
 METHOD = ("device ms: CUDA events around each call, the calls back to back behind a spin kernel after warm-up, "
-          "median of >= 10 (timing.time_device); one input set, not rotated: every K + V cache is 0.5-1 GiB, far "
+          "median of >= 10; host us: median time.perf_counter() around each call, back to back behind a spin kernel "
+          "(timing.time_call); one input set, not rotated: every K + V cache is 0.5-1 GiB, far "
           "above the L2. KV TB/s: bytes of K and V (2 B len H_kv d itemsize) / time; the copy's TB/s counts what "
           "it reads and writes (2 x those bytes: the DRAM traffic of a cudaMemcpyAsync of a buffer of the K + V "
           "size); of copy = TB/s / copy's TB/s. cuflash: flash_attn_with_kvcache, k = v = None, cache_seqlens an "
           "int32 device array (every entry the full length), the paged block_table a random permutation of the "
-          "pool's pages; torch SDPA: the same values as dense (B, H, 1, d) / (B, H_kv, len, d) tensors, paged "
+          "pool's pages; cuflash-append: the same with k, v one new row per entry and cache_seqlens the int len - 1 "
+          "(each call rewrites the last row); torch SDPA: the same values as dense (B, H, 1, d) / (B, H_kv, len, d) tensors, paged "
           "cells too (SDPA has no paged cache)")
 
 
@@ -87,7 +90,8 @@ def params(s) -> dict:
     keys = ("batch", "nheads", "nheads_k", "seqlen_k", "head_dim", "page_size")
     return {"dtype": dtype, "causal": False, "seqlen_q": 1, "modes": ["fwd"],
             "cells": [dict(zip(keys, c)) for c in cells],
-            "implementations": [i for i in IMPLS if i == COPY or i in s.backends], "method": METHOD}
+            "implementations": [i for i in IMPLS if i == COPY or i.replace("-append", "") in s.backends],
+            "method": METHOD}
 
 
 def cells(p: dict) -> list[Cell]:
@@ -190,6 +194,10 @@ class Data:
 
         return self._once(("paged", page), make)
 
+    def new_rows(self):
+        """k, v (B, 1, H_kv, d): the last key row of each entry, the append's new row (the cache keeps its values)."""
+        return self._once("new", lambda: (self.k[:, -1:].copy(), self.v[:, -1:].copy()))
+
     def torch_qkv(self):
         """q (B, H, 1, d), k, v (B, H_kv, len, d): contiguous torch tensors of the same values."""
         def make():
@@ -220,7 +228,11 @@ class Data:
 
 
 class CuflashDecode(Impl):
-    name = "cuflash"
+    """flash_attn_with_kvcache over the cell's cache; append=True: a decoding step (APPEND)."""
+
+    def __init__(self, append: bool = False):
+        self.append = append
+        self.name = APPEND if append else "cuflash"
 
     def available(self):
         from .baselines import Cuflash
@@ -237,8 +249,13 @@ class CuflashDecode(Impl):
         else:
             k, v, bt = data.k, data.v, None
             layout = "dense caches (B, len, H_kv, d)"
-        fn = functools.partial(flash_attn_with_kvcache, data.q, k, v, cache_seqlens=data.seqlens, block_table=bt,
-                               softmax_scale=cell.case.scale)
+        kw = dict(block_table=bt, softmax_scale=cell.case.scale)
+        if self.append:
+            k_new, v_new = data.new_rows()
+            fn = functools.partial(flash_attn_with_kvcache, data.q, k, v, k_new, v_new, cache_seqlens=cell.seqlen_k - 1,
+                                   **kw)
+        else:
+            fn = functools.partial(flash_attn_with_kvcache, data.q, k, v, cache_seqlens=data.seqlens, **kw)
         return [fn], {"layout": layout, **self.kernel_of(cell)}
 
     @staticmethod
@@ -301,6 +318,6 @@ class DeviceCopy(Impl):
 
 
 def implementations(names) -> list[Impl]:
-    make = {"cuflash": CuflashDecode, "torch-flash": lambda: TorchDecode("torch-flash"),
+    make = {"cuflash": CuflashDecode, APPEND: lambda: CuflashDecode(append=True), "torch-flash": lambda: TorchDecode("torch-flash"),
             "torch-cudnn": lambda: TorchDecode("torch-cudnn"), COPY: DeviceCopy}
     return [make[n]() for n in names]

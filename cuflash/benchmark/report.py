@@ -107,10 +107,12 @@ Row keys by suite (on status "ok" rows):
                      how train.is_attention_kernel classified them), profile_seconds. The cuflash row has
                      speedup_vs_<impl> = step ms of impl / step ms of cuflash; the others cuflash_speedup.
     decode           one row per (cell, implementation): "cuflash" (flash_attn_with_kvcache, no append),
+                     "cuflash-append" (the same after writing one new row per entry: a decoding step),
                      "torch-flash", "torch-cudnn" (SDPA on the same values, dense bhsd), "copy" (a
                      device-to-device cudaMemcpyAsync of the K + V bytes); mode "fwd", shape (B, H, 1, len, d),
                      causal false. Every row: nheads_k, page_size (null: dense), cache ("dense" | "paged <n>"),
-                     kv_bytes (2 B len H_kv d itemsize). ok rows: ms_*, n_runs, n_input_sets, layout,
+                     kv_bytes (2 B len H_kv d itemsize). ok rows: ms_*, n_runs, host_ms_*, host_us_median,
+                     host_n_runs, host_over_device, method (timing.time_call), n_input_sets, layout,
                      bytes_per_call (kv_bytes; the copy's 2 x kv_bytes, read and written), tb_per_s =
                      bytes_per_call / ms_median, copy_fraction = tb_per_s / the cell's copy tb_per_s; torch rows
                      gqa ("enable_gqa", "expanded K/V heads ..." with why, or "none (H_kv = H)"); cuflash rows
@@ -730,7 +732,8 @@ def _variants_tables(rows: list[dict], title: str, caption: str) -> list[Table]:
 
 
 def _decode_tables(rows: list[dict], title: str, method: str) -> list[Table]:
-    """Per cell: the copy's TB/s, then each implementation's ms and KV TB/s (and its fraction of the copy's)."""
+    """Per cell: the copy's TB/s, then each implementation's ms and KV TB/s (and its fraction of the copy's); then
+    each implementation's host time per call."""
     from .decode import COPY
 
     impls = [i for i in _impls(rows) if i != COPY]
@@ -757,7 +760,12 @@ def _decode_tables(rows: list[dict], title: str, method: str) -> list[Table]:
             else:
                 line += [_status(r), ""]
         t.rows.append(line)
-    return [t]
+    host = Table(f"{title}: host µs per call", ["B x H x H_kv x len x d", "cache", *impls], caption=method,
+                 text_cols=2)
+    host.rows = [["x".join(map(str, k[:5])), str(k[5]),
+                  *(_fmt(c[i].get("host_us_median"), ".1f") if _ok(c.get(i)) else _status(c.get(i)) for i in impls)]
+                 for k, c in cells.items()]
+    return [t, host]
 
 
 def _decode_lines(suite: dict) -> list[str]:

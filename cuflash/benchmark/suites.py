@@ -645,7 +645,7 @@ class Runner:
         """One query row over a long KV cache: device time and KV read bandwidth of flash_attn_with_kvcache
         (dense and paged caches), of torch SDPA's flash and cuDNN backends on the same values, and of a
         device-to-device copy of as many bytes (the bandwidth reference), cell by cell."""
-        from .timing import clock, time_device
+        from .timing import clock, time_call
 
         impls = decode.implementations(p["implementations"])
         data = shape = None
@@ -660,12 +660,12 @@ class Runner:
 
                 def measure():
                     fns, extra = impl.calls(cell, data())
-                    st = time_device(fns, clock(impl.clock), **self._timer())
+                    st = time_call(fns, clock(impl.clock), **self._timer())
                     return {**st, **extra, **decode.bandwidth(cell, impl.name, st["ms_median"]), "n_input_sets": 1}
 
                 self._cell(rows, budget, cell.case, impl, "fwd", measure)
                 rows[-1].update(cell.extra())
-                if impl.name == "cuflash":
+                if impl.name.startswith("cuflash"):
                     rows[-1]["family"] = decode.kernels(cell, compute_capability(), self.s.family)[0].family
         data = None
         decode.add_copy_fractions(rows)
