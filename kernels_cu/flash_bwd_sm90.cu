@@ -155,7 +155,8 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
         (cluster_rank() == 0 ? m_block_end : m_block_first) = mid;
     }
     // The (query head, query block) pairs, in backward_pair's order
-    const int n_m = max(m_block_end - m_block_first, 0), n_it = group * n_m;
+    // pairs to visit; recomputed after the producer / consumer split rather than kept across it
+    auto n_pairs = [&]() { return group * max(m_block_end - m_block_first, 0); };
     auto pair = [&](int it, int& head, int& m_block) {
         backward_pair<kIsDeterministic>(it, head_k, group, m_block_first, m_block_end, head, m_block);
     };
@@ -178,6 +179,7 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
     if (warpgroup == 0) {
         // [3] Producer: K and V, then the Q, dO tiles (TMA) and LSE, D rows of each query block into a free stage
         setmaxnreg_dec<kProducerRegs>();
+        const int n_it = n_pairs();
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
         if (threadIdx.x == 0) {
             mbarrier_arrive_expect_tx(kv_full, 2 * Smem::kKV);
@@ -286,6 +288,7 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
 
     // Consumers
     setmaxnreg_inc<kConsumerRegs>();
+    const int n_it = n_pairs();
     const int consumer = warpgroup - 1;
     const int tid = threadIdx.x - 128 * warpgroup, warp = tid / 32, lane = tid % 32;
     const int g = lane >> 2, t = lane & 3;
