@@ -450,8 +450,9 @@ def make_flash_bwd_sm90(cfg):
         if key_begin >= seqlen_k:
             return  # varlen: a shorter sequence than the grid's
         bidx = batch_index(IS_VARLEN, batch)  # CUDA: tma_batch, the entry's index in the arrays
-        n_m = max(m_block_end - m_block_first, 0)
-        n_it = group * n_m
+        # CUDA: n_pairs() is evaluated by each role after setmaxnreg, not kept across it
+        n_pairs = group * max(m_block_end - m_block_first, 0)
+        n_it = n_pairs
         warpgroup = cuda.threadIdx.x // WARPGROUP
         nheads = q.shape[2]
         head_dim = q.shape[3]
