@@ -101,7 +101,7 @@ DECODE_CASES = [
 
 def run_decode_case(dtype, d, b, sq, h, hk, lens, cap, page, num_splits, kw, seed) -> list[str]:
     """flash_attn_with_kvcache over a dense or paged cache (no append), against the reference over each entry's
-    keys."""
+    keys; called twice (the general path, then a plan's launches where the call has no variant), bitwise alike."""
     import cupy
 
     import cuflash
@@ -120,10 +120,16 @@ def run_decode_case(dtype, d, b, sq, h, hk, lens, cap, page, num_splits, kw, see
         for pool, x in ((k, k_h), (v, v_h)):
             pool[cupy.asarray(perm)] = _to_device(x.reshape(pages, page, hk, d))
         table = cupy.asarray(perm.reshape(b, cap // page))
-    o, lse = cuflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=cupy.asarray(np.array(lens, dtype=np.int32)),
-                                             block_table=table, num_splits=num_splits, return_lse=True,
-                                             backend="cuda", **kw)
+    def call(check_inputs):
+        return cuflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=cupy.asarray(np.array(lens, dtype=np.int32)),
+                                               block_table=table, num_splits=num_splits, return_lse=True,
+                                               backend="cuda", check_inputs=check_inputs, **kw)
+
+    o, lse = call(True)  # the general path (check_inputs=True takes no plan); without variants, from a plan:
+    o2, lse2 = call(False)
     cupy.cuda.runtime.deviceSynchronize()
+    planned = [f"{n}: the plan's differs from the general path's" for n, x, y in (("o", o, o2), ("lse", lse, lse2))
+               if bool((x.view(cupy.uint8) != y.view(cupy.uint8)).any())]
     cu_q = (np.arange(b + 1) * sq).astype(np.int32)
     cu_k = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     k64, v64 = (np.concatenate([x[i, :n] for i, n in enumerate(lens)]).astype(np.float64) for x in (k_h, v_h))
@@ -131,7 +137,7 @@ def run_decode_case(dtype, d, b, sq, h, hk, lens, cap, page, num_splits, kw, see
                                cu_seqlens_k=cu_k, **kw)
     ours = {"o": _to_host64(o), "lse": _to_host64(lse)}
     ref = {"o": ro.reshape(b, sq, h, d), "lse": rl.reshape(h, b, sq).transpose(1, 0, 2)}
-    return _compare(dtype, ours, ref, names=("o", "lse"))
+    return _compare(dtype, ours, ref, names=("o", "lse")) + planned
 
 
 def _np_dtype(dtype):

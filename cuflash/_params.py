@@ -54,6 +54,18 @@ BWD_PARAMS = np.dtype(
 DECODE_PARAMS = np.dtype([("fwd", FWD_PARAMS), ("o_partial", _ptr), ("lse_partial", _ptr), ("num_splits", _i32)],
                          align=True)
 
+# kvcache_append's params (AppendParams): the new rows, the caches, where each entry's rows start.
+APPEND_PARAMS = np.dtype(
+    [
+        ("k_new", _ptr), ("v_new", _ptr), ("k", _ptr), ("v", _ptr),
+        ("cache_seqlens", _ptr), ("block_table", _ptr), ("counts", _ptr), ("start", _i64),
+        *_strides("k_new"), *_strides("v_new"), *_strides("k"), *_strides("v"),
+        ("block_table_batch_stride", _i64), ("capacity", _i64),
+        ("seqlen_new", _i32), ("nheads_k", _i32), ("head_dim", _i32), ("page_size", _i32), ("num_pages", _i32),
+    ],
+    align=True,
+)
+
 # flash_fwd_sm90's params: FwdParams, then one CUtensorMap (128 bytes, 64-byte aligned) for each of q, k, v,
 # written by cuflash/_tma.py.
 TENSOR_MAP_BYTES = 128
@@ -78,12 +90,19 @@ LOG2E = 1.4426950408889634
 UNBOUNDED = 1 << 30  # a window bound of -1 (kUnbounded in kernels_cu/mask.cuh)
 
 # Byte offsets of the pointer runs that change from call to call (the plan cache patches them):
-# q, k, v, o, lse in FwdParams (and in BwdParams.fwd, at offset 0); dout, dq, dk, dv, dsum in BwdParams.
+# q, k, v, o, lse in FwdParams (and in BwdParams.fwd, DecodeParams.fwd, at offset 0); dout, dq, dk, dv, dsum in
+# BwdParams; seqused_k, block_table in FwdParams (a KV cache); o_partial, lse_partial in DecodeParams; k_new ..
+# counts, then start, in AppendParams.
 FWD_POINTERS = FWD_PARAMS.fields["q"][1]
 BWD_POINTERS = BWD_PARAMS.fields["dout"][1]
-for _dt, _names in ((FWD_PARAMS, ("q", "k", "v", "o", "lse")), (BWD_PARAMS, ("dout", "dq", "dk", "dv", "dsum"))):
+KVCACHE_POINTERS = FWD_PARAMS.fields["seqused_k"][1]
+PARTIAL_POINTERS = DECODE_PARAMS.fields["o_partial"][1]
+APPEND_POINTERS = APPEND_PARAMS.fields["k_new"][1]
+for _dt, _names in ((FWD_PARAMS, ("q", "k", "v", "o", "lse")), (BWD_PARAMS, ("dout", "dq", "dk", "dv", "dsum")),
+                    (FWD_PARAMS, ("seqused_k", "block_table")), (DECODE_PARAMS, ("o_partial", "lse_partial")),
+                    (APPEND_PARAMS, ("k_new", "v_new", "k", "v", "cache_seqlens", "block_table", "counts", "start"))):
     _first = _dt.fields[_names[0]][1]
-    assert [_dt.fields[n][1] for n in _names] == [_first + 8 * i for i in range(5)], _names
+    assert [_dt.fields[n][1] for n in _names] == [_first + 8 * i for i in range(len(_names))], _names
 
 
 def _ptr_of(a) -> int:
@@ -165,6 +184,32 @@ def _fill_fwd(p, q, k, v, o, lse, softmax_scale: float, causal: bool, varlen=Non
             p["block_table_batch_stride"] = block_table.strides[0] // block_table.itemsize
             p["num_pages"], p["page_size"] = k.shape[0], k.shape[1]
             p["seqlen_k"] = block_table.shape[1] * k.shape[1]  # the capacity of an entry
+
+
+def append_params(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, counts, seqlen_new: int, capacity: int):
+    """Pack a kvcache_append call. k_cache, v_cache: CuPy caches, dense (batch, capacity, heads_k, head_dim) or
+    page pools with block_table int32 (batch, max_pages); k_new, v_new (batch, seqlen_new, heads_k, head_dim), or
+    None for no rows to write (counts only); cache_seqlens: an int32 (batch,) device array, or an int (every
+    entry's); counts: an int32 (batch,) device array for the key counts after the append, or None."""
+    p = np.zeros((), dtype=APPEND_PARAMS)
+    p["k"], p["v"] = _ptr_of(k_cache), _ptr_of(v_cache)
+    for name, a in (("k", k_cache), ("v", v_cache), ("k_new", k_new), ("v_new", v_new)):
+        if a is not None:
+            _set_bshd(p, name, a)
+    if k_new is not None:
+        p["k_new"], p["v_new"] = _ptr_of(k_new), _ptr_of(v_new)
+    p["seqlen_new"] = seqlen_new
+    if isinstance(cache_seqlens, int):
+        p["start"] = cache_seqlens
+    else:
+        p["cache_seqlens"] = _ptr_of(cache_seqlens)
+    if block_table is not None:
+        p["block_table"] = _ptr_of(block_table)
+        p["block_table_batch_stride"] = block_table.strides[0] // block_table.itemsize
+        p["num_pages"], p["page_size"] = k_cache.shape[0], k_cache.shape[1]
+    p["counts"] = _ptr_of(counts)
+    p["capacity"], p["nheads_k"], p["head_dim"] = capacity, k_cache.shape[2], k_cache.shape[3]
+    return p
 
 
 def workspace_layout(q, varlen=None, deterministic=False):

@@ -14,12 +14,16 @@ again, copies what it must and gives the same errors.
 from __future__ import annotations
 
 import functools
+import threading
+
+import numpy as np
 
 from . import _checks, _params, config
 from .backends import cuda
 
 FORWARD: dict = {}
 BACKWARD: dict = {}
+KVCACHE: dict = {}
 MISALIGNED = cuda.ALIGNMENT - 1
 
 _SIGNATURE: dict = {}  # array type -> its signature function
@@ -79,6 +83,23 @@ def backward_key(do, q, k, v, o, lse, dq, dk, dv, causal, softmax_scale, layout,
         return None
 
 
+def kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, num_splits, return_lse,
+                backend):
+    """The plan-cache key of a flash_attn_with_kvcache call (without variants, check_inputs=False), or None. An int
+    cache_seqlens keys as `int`: its value changes from call to call (the plan checks it on each)."""
+    if (_not_flag_or_scale(causal, softmax_scale) or return_lse.__class__ is not bool
+            or num_splits.__class__ is not int):
+        return None
+    try:
+        sig = _signature_of(q.__class__)
+        return (sig(q), sig(k_cache), sig(v_cache), None if k is None else sig(k), None if v is None else sig(v),
+                int if cache_seqlens.__class__ is int else sig(cache_seqlens),
+                None if block_table is None else sig(block_table), causal, softmax_scale, num_splits, return_lse,
+                backend, config._forced_family)
+    except Exception:
+        return None
+
+
 # ------------------------------------------------------------------------------------------------
 # Array kinds the fast path serves
 # ------------------------------------------------------------------------------------------------
@@ -131,17 +152,21 @@ def _torch_signature(x):
     return (x.__class__, x.shape, x.stride(), x.dtype, x.get_device())
 
 
-def plannable(caller, backend_module, *arrays) -> bool:
+def plannable(caller, backend_module, *arrays, indices=()) -> bool:
     """Can calls of this signature run from the caller's memory as they are? (the CUDA backend,
-    CuPy or torch CUDA arrays whose strides the kernels take; pointers are checked per call)."""
+    CuPy or torch CUDA arrays whose strides the kernels take; pointers are checked per call). indices: int32
+    arrays (a KV cache's counts and page table; None or an int where there is none): unit last stride."""
     if backend_module is not cuda or caller.kind not in ("cupy", "torch"):
         return False
     for x in arrays:
         strides, itemsize = _checks._byte_strides(x)
-        if x.ndim and x.shape[-1] > 1 and strides[-1] != itemsize:
+        if (x.ndim and x.shape[-1] > 1 and strides[-1] != itemsize) or any(s % cuda.ALIGNMENT for s in strides[:-1]):
             return False
-        if any(s % cuda.ALIGNMENT for s in strides[:-1]):
-            return False
+    for x in indices:
+        if x is not None and x.__class__ is not int:
+            strides, itemsize = _checks._byte_strides(x)
+            if x.shape[-1] > 1 and strides[-1] != itemsize:
+                return False
     return True
 
 
@@ -245,3 +270,71 @@ def _overlaps(spans, po: int, *pointers: int) -> bool:
     """Does out (at po) share bytes with any input? spans: [lo, hi) of out, then of each input."""
     (olo, ohi), *inputs = spans
     return any(po + olo < p + hi and p + lo < po + ohi for p, (lo, hi) in zip(pointers, inputs))
+
+
+class KVCachePlan:
+    """One flash_attn_with_kvcache signature: kvcache_append's launch where the call has new rows or an int
+    cache_seqlens (it writes the rows and each entry's key count), the attention's launches (flash_decode's, or a
+    forward's), and how to allocate o, lse and the scratch (flash_decode's split partials, the key counts).
+    Built from a call that validated (q and cache_seqlens: the caller's; the rest as the general path's working
+    arrays, k, v and block_table None where absent); every pointer is patched on each call."""
+
+    def __init__(self, caller, q, cache_seqlens, wq, k_cache, v_cache, k, v, block_table, seqlen_new: int,
+                 capacity: int, num_splits: int, causal: bool, scale: float, lse_dtype, return_lse: bool, general):
+        import cupy
+
+        self.kind = kind = _Kind(caller)
+        self.o_shape, self.o_like = tuple(q.shape), kind.contiguous(q)
+        b, sq, h, _ = wq.shape
+        self.lse_shape, self.lse_dtype = (b, h, sq), kind.dtype(lse_dtype)
+        # placeholders with the strides of what each call allocates: C-contiguous o, lse and counts
+        o, lse = cupy.empty(wq.shape, wq.dtype), cupy.empty(self.lse_shape, lse_dtype)
+        counts = cupy.empty((b,), cupy.int32)
+        self.int_start = cache_seqlens.__class__ is int  # an int: checked on every call, patched as AppendParams.start
+        self.room = capacity - seqlen_new  # the largest int cache_seqlens
+        self.rows = seqlen_new > 0
+        self.append = None
+        if self.rows or self.int_start:  # the rows and the key counts, in one launch before the attention's
+            self.append = cuda.append_launches(k_cache, v_cache, k, v, 0, block_table, counts, seqlen_new=seqlen_new,
+                                               batch=b, capacity=capacity)
+        self.attend = cuda.kvcache_launches(wq, k_cache, v_cache, o, lse, kvcache=(counts, block_table),
+                                            num_splits=num_splits, causal=causal, softmax_scale=scale)
+        partial = self.attend.partial or (0, 0)
+        self.lse_partial = partial[1]
+        self.counts_offset = -(-partial[0] // 16) * 16
+        self.scratch = self.counts_offset + (4 * b if self.append is not None else 0)
+        self.u8 = kind.dtype(np.dtype(np.uint8))
+        self.return_lse = return_lse
+        self.general = general  # the general path (api._with_kvcache), for what this does not serve
+        self.lock = threading.Lock()
+
+    def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table):
+        kind = self.kind
+        ptr = kind.ptr
+        pq, pkc, pvc = ptr(q), ptr(k_cache), ptr(v_cache)
+        pk, pv = (ptr(k), ptr(v)) if self.rows else (0, 0)
+        if self.int_start:
+            start, pcs, bad = cache_seqlens, 0, not 0 <= cache_seqlens <= self.room
+        else:
+            start, pcs, bad = 0, ptr(cache_seqlens), False
+        if bad or (pq | pkc | pvc | pk | pv) & MISALIGNED or kind.current_device() != kind.device:
+            return self.general(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table)
+        pbt = 0 if block_table is None else ptr(block_table)
+        o = kind.like(q) if self.o_like else kind.same(q, self.o_shape)
+        lse = kind.new(q, self.lse_shape, self.lse_dtype)
+        scratch = kind.new(q, (self.scratch,), self.u8) if self.scratch else None
+        ps = 0 if scratch is None else ptr(scratch)
+        counts = pcs if self.append is None else ps + self.counts_offset
+        attend = self.attend
+        with self.lock:
+            if self.append is not None:
+                self.append.patch(_params.APPEND_POINTERS, pk, pv, pkc, pvc, pcs, pbt, counts, start)
+            attend.patch(_params.FWD_POINTERS, pq, pkc, pvc, ptr(o), ptr(lse))
+            attend.patch(_params.KVCACHE_POINTERS, counts, pbt)
+            if attend.partial:
+                attend.patch(_params.PARTIAL_POINTERS, ps, ps + self.lse_partial)
+            stream = kind.stream()
+            if self.append is not None:
+                self.append.run(stream)
+            attend.run(stream)
+        return (o, lse) if self.return_lse else o

@@ -445,59 +445,53 @@ def _on_device(x) -> bool:
 
 
 def _bits(x):
-    """x viewed as unsigned integers of its item size: a copy of raw bits needs no dtype support
-    (CuPy has no bfloat16 arithmetic)."""
+    """x viewed as unsigned integers of its item size: a copy of raw bits needs no dtype support."""
     return x.view({2: "uint16", 4: "uint32", 8: "uint64"}[x.dtype.itemsize])
 
 
-def _append(k_cache, v_cache, k, v, cache_seqlens, block_table, capacity: int) -> None:
-    """k, v into the caches at logical rows cache_seqlens[b] .. + seqlen_new - 1, in the caches' own
-    memory (NumPy, or CuPy on the current stream). Unchecked device values are clamped so that nothing
-    is written outside the caches: a row past an entry's capacity, or on a page outside the pool, is
-    dropped (the clamped slot it lands on is rewritten with its own contents, racing any valid write
-    there: such an entry's last row is then unspecified)."""
-    dev = _on_device(k_cache)
-    xp = importlib.import_module("cupy" if dev else "numpy")
-    kc, vc = (_bits(_interop.to_working(n, x, dev)) for n, x in (("k_cache", k_cache), ("v_cache", v_cache)))
-    kn, vn = (_bits(_interop.to_working(n, x, dev)) for n, x in (("k", k), ("v", v)))
+def _append_on_host(k_cache, v_cache, k, v, cache_seqlens, block_table, capacity: int) -> None:
+    """k, v into host caches (NumPy, in place) at logical rows cache_seqlens[b] .. + seqlen_new - 1, as
+    kvcache_append.cu does on the GPU: a row past an entry's capacity, or on a page outside the pool, is not
+    written."""
+    kc, vc, kn, vn = (_bits(_interop.to_working(n, x, False)) for n, x in (("k_cache", k_cache), ("v_cache", v_cache),
+                                                                          ("k", k), ("v", v)))
     batch, seqlen_new = kn.shape[0], kn.shape[1]
-    if _checks._is_int(cache_seqlens):
-        start = xp.full((batch, 1), int(cache_seqlens), dtype=xp.int64)
-    else:
-        start = _interop.to_working("cache_seqlens", cache_seqlens, dev).astype(xp.int64)[:, None]
-    pos = start + xp.arange(seqlen_new, dtype=xp.int64)[None, :]  # (batch, seqlen_new) logical rows
+    if not _checks._is_int(cache_seqlens):
+        cache_seqlens = _interop.to_working("cache_seqlens", cache_seqlens, False)
+    start = np.broadcast_to(np.asarray(cache_seqlens, dtype=np.int64).reshape(-1, 1), (batch, 1))
+    pos = start + np.arange(seqlen_new, dtype=np.int64)[None, :]  # (batch, seqlen_new) logical rows
     ok = (pos >= 0) & (pos < capacity)
-    pos = xp.clip(pos, 0, max(capacity - 1, 0))
     if block_table is None:
-        first, row = xp.arange(batch, dtype=xp.int64)[:, None] + 0 * pos, pos
+        slab, row = np.broadcast_to(np.arange(batch)[:, None], pos.shape), pos
     else:
         page_size, num_pages = kc.shape[1], kc.shape[0]
-        bt = _interop.to_working("block_table", block_table, dev)
-        page = bt[xp.arange(batch)[:, None], pos // page_size].astype(xp.int64)
-        ok &= (page >= 0) & (page < num_pages)
-        first, row = xp.clip(page, 0, num_pages - 1), pos % page_size
-    keep = ok[:, :, None, None]
+        bt = _interop.to_working("block_table", block_table, False)
+        slab = np.full(pos.shape, -1, dtype=np.int64)
+        slab[ok] = bt[np.nonzero(ok)[0], pos[ok] // page_size]
+        ok &= (slab >= 0) & (slab < num_pages)
+        row = pos % page_size
     for cache, new in ((kc, kn), (vc, vn)):
-        cache[first, row] = xp.where(keep, new, cache[first, row])
+        cache[slab[ok], row[ok]] = new[ok]
 
 
-def _key_counts(cache_seqlens, seqlen_new: int, xp):
-    """Each entry's keys, cache_seqlens + seqlen_new, int32, in as few launches as it takes (one CuPy kernel, none
-    without an append): summed in int64 and clipped to [-1, 2**31 - 1], no wrap-around to a count the kernels
-    would not clamp."""
-    if not seqlen_new:
-        return cache_seqlens
-    if xp is np:
-        return np.clip(cache_seqlens.astype(np.int64) + seqlen_new, -1, 2**31 - 1).astype(np.int32)
-    return _add_clipped()(cache_seqlens, seqlen_new)
+def _append_on_device(k_cache, v_cache, k, v, cache_seqlens, block_table, counts, seqlen_new: int,
+                      capacity: int) -> None:
+    """One kvcache_append launch on the current stream: k, v (None: no rows to write) into device caches, and
+    with counts (an int32 (batch,) CuPy array) each entry's key count after seqlen_new new rows."""
+    from .backends import cuda
+
+    kc, vc = (_interop.to_working(n, x, True) for n, x in (("k_cache", k_cache), ("v_cache", v_cache)))
+    kn, vn = (None, None) if k is None else (_interop.to_working(n, x, True) for n, x in (("k", k), ("v", v)))
+    cs = int(cache_seqlens) if _checks._is_int(cache_seqlens) else _device_int32("cache_seqlens", cache_seqlens)
+    bt = None if block_table is None else _device_int32("block_table", block_table)
+    cuda.append_launches(kc, vc, kn, vn, cs, bt, counts, seqlen_new=seqlen_new, batch=kc.shape[0] if bt is None
+                         else bt.shape[0], capacity=capacity).run(cuda._current_stream())
 
 
-@functools.cache
-def _add_clipped():
+def _device_int32(name: str, x):
     import cupy
 
-    return cupy.ElementwiseKernel("int32 x, int64 n", "int32 y", "long long s = (long long)x + n; "
-                                  "y = s > 2147483647LL ? 2147483647 : (s < -1 ? -1 : (int)s)", "cuflash_key_counts")
+    return cupy.ascontiguousarray(_interop.to_working(name, x, True))
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None, causal=False,
@@ -530,6 +524,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     rows past the capacity are not written, and a page outside the pool is neither written nor read
     (its keys read as zeros).
     """
+    key = None
+    if window is NO_WINDOW and softcap is _OFF and alibi_slopes is None and check_inputs is False:
+        key = _plan.kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale,
+                                num_splits, return_lse, backend)
+        plan = _plan.KVCACHE.get(key)
+        if plan is not None:
+            return plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+    return _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table, causal=causal,
+                         softmax_scale=softmax_scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                         num_splits=num_splits, return_lse=return_lse, backend=backend, check_inputs=check_inputs,
+                         key=key)
+
+
+def _with_kvcache(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, causal, softmax_scale, window, softcap,
+                  alibi_slopes, num_splits, return_lse, backend, check_inputs, key=None):
+    """The general path of flash_attn_with_kvcache; with a key, it may leave a plan for the signature."""
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
         _checks.check_array(name, x, optional=name in ("k", "v"))
     _checks.check_array("block_table", block_table, optional=True)
@@ -562,17 +572,39 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
                     if x is not None and not _checks._is_int(x) and _on_device(x)})
     call = _Call(q, "bshd", backend, devices)
     with call.context():
-        if seqlen_new:
-            _append(k_cache, v_cache, k, v, cache_seqlens, block_table, capacity)
+        if key is not None and b and sq and h and not vkw and _plan.plannable(
+                call.caller, call.be, q, k_cache, v_cache, *([] if k is None else [k, v]),
+                indices=(cache_seqlens, block_table)):  # this call and the next of its signature, from a plan
+            general = functools.partial(_with_kvcache, causal=causal, softmax_scale=softmax_scale, window=window,
+                                        softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,
+                                        return_lse=return_lse, backend=backend, check_inputs=check_inputs)
+            ins = [call.working(n, x) for n, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                                                   ("k", k), ("v", v), ("block_table", block_table))]
+            plan = _plan.KVCACHE[key] = _plan.KVCachePlan(call.caller, q, cache_seqlens, *ins, seqlen_new, capacity,
+                                                          num_splits, causal, scale, numpy_dtype(lse_dtype(dt)),
+                                                          return_lse, general)
+            return plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+        on_gpu = _on_device(k_cache)
+        if seqlen_new and not on_gpu:
+            _append_on_host(k_cache, v_cache, k, v, cache_seqlens, block_table, capacity)
+        elif seqlen_new and not call.on_device:  # device caches, the NumPy backend
+            _append_on_device(k_cache, v_cache, k, v, cache_seqlens, block_table, None, seqlen_new, capacity)
         o_arr, o_work = call.new(q.shape, numpy_dtype(dt))
         lse_arr, lse = call.new((b, h, sq), lse_dtype(dt))
         ins = [call.working(n, x) for n, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))]
-        xp = importlib.import_module("cupy" if call.on_device else "numpy")
-        if _checks._is_int(cache_seqlens):
-            counts = xp.full((b,), min(int(cache_seqlens) + seqlen_new, 2**31 - 1), dtype=xp.int32)
-        else:
-            counts = _key_counts(call.working("cache_seqlens", cache_seqlens), seqlen_new, xp)
         bt = call.working("block_table", block_table)
+        if not call.on_device:
+            cs = np.asarray(cache_seqlens if _checks._is_int(cache_seqlens) else
+                            call.working("cache_seqlens", cache_seqlens), dtype=np.int64)
+            counts = np.clip(np.broadcast_to(cs, (b,)) + seqlen_new, -1, 2**31 - 1).astype(np.int32)
+        elif seqlen_new or _checks._is_int(cache_seqlens):  # one launch: the device append and the key counts
+            import cupy
+
+            counts = cupy.empty((b,), dtype=cupy.int32)
+            rows = (k, v) if seqlen_new and on_gpu else (None, None)
+            _append_on_device(ins[1], ins[2], *rows, cache_seqlens, bt, counts, seqlen_new, capacity)
+        else:
+            counts = call.working("cache_seqlens", cache_seqlens)
         if b and sq and h:
             call.be.kvcache_forward(*ins, counts, bt, causal=causal, softmax_scale=scale, out=o_work, lse=lse,
                                     num_splits=num_splits, **_working_variants(call, vkw))

@@ -48,6 +48,7 @@ SOURCES = {
     "flash_bwd_dq_simt": "flash_bwd_simt.cu",
     "flash_decode": "flash_decode.cu",
     "flash_decode_combine": "flash_decode.cu",
+    "kvcache_append": "kvcache_append.cu",
 }
 
 
@@ -60,6 +61,8 @@ TEMPLATE_PARAMS = {k: _TEMPLATE_PARAMS for k in SOURCES} | {
     "flash_bwd_postprocess": ("dtype", "block_m", "warps", "variant"),
     # the split-KV merge: one warp per query row, any variant
     "flash_decode_combine": ("dtype", "head_dim", "warps"),
+    # new rows into a KV cache: a copy, any head dim (4 warps: kAppendThreads)
+    "kvcache_append": ("dtype",),
 }
 
 
@@ -252,7 +255,7 @@ def smem_bytes(cfg: KernelConfig) -> int:
         return fixed + stages * stage
     if cfg.kernel == "flash_decode":  # Q tile; per warp decode_stages slots of K and V (kWarpKeys = bn / warps rows)
         return (bm + 2 * decode_stages(cfg) * bn) * row * e
-    if cfg.kernel == "flash_decode_combine":
+    if cfg.kernel in ("flash_decode_combine", "kvcache_append"):
         return 0
     if cfg.kernel == "flash_fwd_simt":  # Q, K, V tiles (rows padded by 16 bytes); P tile (rows padded by 8)
         srow = d + 16 // e
@@ -450,6 +453,11 @@ def choose_decode(dtype, head_dim: int, variant: int, *, packed_rows: int, num_s
     return main, KernelConfig("flash_decode_combine", dt, main.head_dim, 0, 0, 4, 0)
 
 
+def choose_append(dtype) -> KernelConfig:
+    """kvcache_append's config for caches of this dtype."""
+    return KernelConfig("kvcache_append", dtype_name(dtype), 0, 0, 0, 4, 0)
+
+
 def decode_stages(cfg: KernelConfig) -> int:
     """flash_decode's kStages (decode_stages in flash_decode.cu): 3 where the block fits in sm_80's shared
     memory, else 2."""
@@ -541,12 +549,13 @@ GATED_DECODE_VARIANTS = (SEQUSED, SEQUSED | PAGED, KVCACHE_VARIANTS & ~(ALIBI | 
 
 
 def all_configs() -> list[KernelConfig]:
-    """The configs the compile gate checks and `cuflash compile` builds (GATED_VARIANTS, with the backward's
+    """The configs the compile gate checks and `cuflash compile` builds: kvcache_append for every dtype, then
+    (GATED_VARIANTS, with the backward's
     small-grid tiles, and GATED_FORWARD_VARIANTS for the forward, GATED_DECODE_VARIANTS for flash_decode (with
     its combine); the Hopper kernels' for GATED_VARIANTS, ALL_VARIANTS less what they do not serve (the
     backward: dense, and varlen without ALiBi or without dropout), and the backward's QUERY_SPLIT plain, causal
     and with those but DETERMINISTIC)."""
-    out: list[KernelConfig] = []
+    out: list[KernelConfig] = [choose_append(dt) for dt in DTYPES]
     for dt in DTYPES:
         for d in HEAD_DIMS:
             for variant in GATED_VARIANTS:

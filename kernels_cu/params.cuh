@@ -94,6 +94,32 @@ struct DecodeParams {
     int num_splits;      // 1: flash_decode writes o and lse itself (no partials, no combine)
 };
 
+// The append of new rows to a KV cache (kvcache_append.cu). k, v: the caches, as FwdParams' (dense [batch, row,
+// head, dim], or page pools [page, row, head, dim] through block_table); k_new, v_new [batch, row, head, dim]
+// (null: no rows to write). Entry b's rows start at cache_seqlens[b], or at `start` where cache_seqlens is null;
+// counts (null: not written) gets each entry's keys after the append of seqlen_new rows.
+struct AppendParams {
+    const void* k_new;
+    const void* v_new;
+    void* k;
+    void* v;
+    const int* cache_seqlens;
+    const int* block_table;
+    int* counts;
+    long long start;
+    long long k_new_batch_stride, k_new_row_stride, k_new_head_stride;
+    long long v_new_batch_stride, v_new_row_stride, v_new_head_stride;
+    long long k_batch_stride, k_row_stride, k_head_stride;
+    long long v_batch_stride, v_row_stride, v_head_stride;
+    long long block_table_batch_stride;
+    long long capacity;    // key rows an entry can hold: the dense cache's rows, or max_pages * page_size
+    int seqlen_new;
+    int nheads_k;
+    int head_dim;
+    int page_size;
+    int num_pages;
+};
+
 // The Hopper forward (flash_fwd_sm90.cu) reads q, k and v through the bulk tensor copy engine: FwdParams
 // plus one tensor map per array, encoded on the host (cuflash/_tma.py). A CUtensorMap is 128 opaque bytes,
 // 64-byte aligned.

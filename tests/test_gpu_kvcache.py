@@ -127,9 +127,12 @@ DECODE_CASES = [
 @pytest.fixture
 def decode_spy(monkeypatch):
     """Records, per call of backends.cuda.decode_launches, whether flash_decode served it and how many kernels
-    it launched (2: split, with the combine)."""
+    it launched (2: split, with the combine). An empty plan cache: each signature's first call builds its
+    launches (a plan's later calls reuse them)."""
+    from cuflash import _plan
     from cuflash.backends import cuda
 
+    monkeypatch.setattr(_plan, "KVCACHE", {})
     seen = []
 
     def spy(*args, **kwargs):
@@ -364,3 +367,95 @@ def test_numba_backend(gpu):
     o2 = cf.flash_attn_with_kvcache(c["q"], c["k_cache_paged"], c["v_cache_paged"], c["k"], c["v"], cache_seqlens=cs,
                                     block_table=c["block_table"], causal=True, backend="numba")
     assert gpu.same_bits(o2, o) == 0
+
+
+# The plan cache (cuflash/_plan.py): a call whose signature repeats launches from the plan its first call left,
+# kvcache_append first where there are new rows or an int cache_seqlens. The plan's result and caches must be
+# bitwise the general path's, for CuPy and torch inputs, whichever kernel serves the call.
+# (id, dtype, b, sq, h, hk, d, capacity, page_size, cache_seqlens, seqlen_new, causal)
+PLAN_CASES = [
+    ("decode-split", "bfloat16", 1, 1, 16, 2, 128, 4096, None, [3000], 1, False),  # num_splits=0 splits a lone entry
+    ("decode-paged-int", "float16", 3, 1, 8, 2, 64, 1024, 64, 700, 1, False),
+    ("speculative-paged", "bfloat16", 2, 4, 8, 2, 128, 1024, 16, [500, 9], 4, True),
+    ("chunk", "bfloat16", 2, 200, 8, 2, 128, 1024, None, [300, 0], 200, True),  # flash_fwd_sm90 on Hopper
+    ("chunk-paged-int", "float16", 2, 130, 4, 4, 64, 512, 64, 100, 130, True),
+    ("no-append", "bfloat16", 2, 1, 8, 2, 128, 2048, None, [2000, 5], 0, False),
+    ("no-append-int-fp32", "float32", 2, 3, 4, 2, 64, 256, None, 100, 0, True),  # the SIMT forward
+]
+
+
+def _plan_inputs(gpu, kind, dtype, b, sq, h, hk, d, cap, page, lens, new, seed):
+    """One call's arrays as `kind` ("cupy" or "torch"), and a function making fresh copies of the caches."""
+    c = make_cache(np.random.default_rng(seed), b, sq, h, hk, d, cap, new, lens, page_size=page, dtype=np.float32)
+    names = ["q", "k_cache_paged" if page else "k_cache", "v_cache_paged" if page else "v_cache", "k", "v"]
+    if kind == "torch":
+        import torch
+
+        tdt = getattr(torch, dtype)
+        arrs = [None if c[n] is None else torch.from_numpy(c[n]).to("cuda", tdt) for n in names]
+        index = lambda x: None if x is None else torch.from_numpy(np.asarray(x, dtype=np.int32)).cuda()
+    else:
+        arrs = [None if c[n] is None else gpu.cp.asarray(c[n]).astype(gpu.np_dtype(dtype)) for n in names]
+        index = lambda x: None if x is None else gpu.cp.asarray(np.asarray(x, dtype=np.int32))
+    q, kc, vc, k, v = arrs
+    cs = lens if isinstance(lens, int) else index(lens)
+    return q, (kc, vc), k, v, cs, index(c.get("block_table")) if page else None
+
+
+def _raw(x, cp):
+    """x's bytes as a CuPy uint8 array (torch tensors through DLPack)."""
+    if not isinstance(x, cp.ndarray):
+        import torch
+
+        x = cp.from_dlpack(x.contiguous().view(torch.uint8))
+    return x.view(cp.uint8)
+
+
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+@pytest.mark.parametrize("name,dtype,b,sq,h,hk,d,cap,page,lens,new,causal", PLAN_CASES, ids=[c[0] for c in PLAN_CASES])
+def test_plan_is_the_general_path(gpu, monkeypatch, kind, name, dtype, b, sq, h, hk, d, cap, page, lens, new, causal):
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("torch without CUDA")
+    cp, cf = gpu.cp, gpu.cuflash
+    from cuflash import _plan, api
+
+    q, caches, k, v, cs, table = _plan_inputs(gpu, kind, dtype, b, sq, h, hk, d, cap, page, lens, new, seed=len(name))
+    general_calls = []
+    general = api._with_kvcache
+    monkeypatch.setattr(api, "_with_kvcache", lambda *a, **kw: general_calls.append(1) or general(*a, **kw))
+
+    def call(caches, start):
+        kc, vc = (x.clone() if kind == "torch" else x.copy() for x in caches)
+        o, lse = cf.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=start, block_table=table, causal=causal,
+                                            return_lse=True, backend="cuda")
+        return o, lse, kc, vc
+
+    monkeypatch.setattr(_plan, "KVCACHE", {})
+    with monkeypatch.context() as m:  # the general path: no key, no plan
+        m.setattr(_plan, "kvcache_key", lambda *a: None)
+        general_result = call(caches, cs)
+    assert len(general_calls) == 1 and not _plan.KVCACHE, name
+    first = call(caches, cs)  # the general path validates, leaves a plan and runs from it
+    assert len(general_calls) == 2 and len(_plan.KVCACHE) == 1, name
+    if kind == "cupy":  # what the plan allocates reads as NaN until written
+        gpu.poison(4 * (first[0].nbytes + first[1].nbytes) + (1 << 20))
+    second = call(caches, cs)  # the plan alone
+    cp.cuda.runtime.deviceSynchronize()
+    assert len(general_calls) == 2, f"{name}: the second call did not run from the plan"
+    for run in (first, second):
+        for what, x, y in zip(("o", "lse", "k_cache", "v_cache"), general_result, run):
+            assert int(cp.count_nonzero(_raw(x, cp) != _raw(y, cp))) == 0, f"[{name} {kind}] {what}: plan != general"
+    if isinstance(cs, int):  # another start through the plan, against the general path's
+        from_plan = call(caches, cs - 1)
+        assert len(general_calls) == 2
+        with monkeypatch.context() as m:
+            m.setattr(_plan, "kvcache_key", lambda *a: None)
+            from_general = call(caches, cs - 1)
+        cp.cuda.runtime.deviceSynchronize()
+        for what, x, y in zip(("o", "lse", "k_cache", "v_cache"), from_plan, from_general):
+            assert int(cp.count_nonzero(_raw(x, cp) != _raw(y, cp))) == 0, f"[{name} {kind}] start - 1: {what}"
+        # a start the cache cannot hold: the general path's error, from the planned signature too
+        with pytest.raises(ValueError, match="cache_seqlens \\+ seqlen_new must be <= the cache's capacity"):
+            call(caches, cap - new + 1)

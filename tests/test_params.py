@@ -47,7 +47,7 @@ def test_layouts_match_header():
     want = []
     for struct, dtype in (("FwdParams", _params.FWD_PARAMS), ("BwdParams", _params.BWD_PARAMS),
                           ("FwdSm90Params", _params.FWD_SM90_PARAMS), ("BwdSm90Params", _params.BWD_SM90_PARAMS),
-                          ("DecodeParams", _params.DECODE_PARAMS)):
+                          ("DecodeParams", _params.DECODE_PARAMS), ("AppendParams", _params.APPEND_PARAMS)):
         want.append((f"sizeof({struct})", f"sizeof(cuflash::{struct})", dtype.itemsize))
         want += [(f"{struct}.{path}", f"(unsigned long long)&(((cuflash::{struct}*)0)->{path})", off)
                  for path, off in _fields(struct, dtype)]
@@ -69,7 +69,7 @@ def test_field_count_matches_header():
     text = (_compile.kernels_dir() / "params.cuh").read_text()
     for struct, dtype in (("FwdParams", _params.FWD_PARAMS), ("BwdParams", _params.BWD_PARAMS),
                           ("FwdSm90Params", _params.FWD_SM90_PARAMS), ("BwdSm90Params", _params.BWD_SM90_PARAMS),
-                          ("DecodeParams", _params.DECODE_PARAMS)):
+                          ("DecodeParams", _params.DECODE_PARAMS), ("AppendParams", _params.APPEND_PARAMS)):
         body = re.search(rf"struct {struct} \{{(.*?)\n\}};", text, re.S).group(1)
         body = re.sub(r"//[^\n]*", "", body)
         names = []

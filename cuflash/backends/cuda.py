@@ -16,7 +16,7 @@ import numpy as np
 from .. import _compile, _params, _tma
 from .._checks import check_batch, check_grid_heads
 from .._interop import gpu_status
-from ..config import (DQ_SWIZZLE_SM90, PAGED, backward_grid, ceil_div, choose_backward, choose_decode,
+from ..config import (DQ_SWIZZLE_SM90, PAGED, backward_grid, ceil_div, choose_append, choose_backward, choose_decode,
                       choose_forward, decode_splits, forced_family, kv_box_rows)
 
 ON_DEVICE = True
@@ -55,16 +55,20 @@ def _result_buffer(out):
     return out if aligned(out) else cupy.empty(out.shape, out.dtype)
 
 
-_POINTERS = {n: struct.Struct(f"<{n}Q").pack_into for n in range(1, 6)}
+_POINTERS = {n: struct.Struct(f"<{n}Q").pack_into for n in range(1, 9)}
 
 
 class Launches:
     """The kernel launches of one call and the params struct they share, as raw bytes.
 
-    `patch(offset, *pointers)` rewrites consecutive pointer fields in place; `run(stream)` launches
-    every kernel on a raw CUDA stream handle. The driver copies the params at launch, so the bytes
-    may be patched again as soon as `run` returns; `lock` serializes patch-and-run across threads.
+    `patch(offset, *pointers)` rewrites consecutive pointer fields (or other 64-bit unsigned ones) in place;
+    `run(stream)` launches every kernel on a raw CUDA stream handle. The driver copies the params at launch, so
+    the bytes may be patched again as soon as `run` returns; `lock` serializes patch-and-run across threads.
+    `partial`: (bytes, offset of the LSE partials) of the split-KV scratch flash_decode's launches need
+    (PARTIAL_POINTERS, patched by whoever runs them), or None.
     """
+
+    partial = None
 
     def __init__(self, params: np.ndarray, kernels: list[tuple]):
         from cupy.cuda import driver
@@ -175,11 +179,23 @@ def backward_launches(do, q, k, v, o, lse, dq, dk, dv, workspace, *, causal: boo
     return Launches(p, [(cfg, grid(cfg)) for cfg in cfgs])
 
 
-def decode_launches(q, k_cache, v_cache, o, lse, partial, *, kvcache, num_splits: int, causal: bool,
+def kvcache_launches(q, k_cache, v_cache, o, lse, *, kvcache, num_splits: int, causal: bool, softmax_scale: float,
+                     **variants) -> Launches:
+    """The KV-cache forward: flash_decode's launches where it serves the call (decode_launches), else the
+    forward's. kvcache: (seqused_k, block_table or None), int32 device arrays."""
+    launches = decode_launches(q, k_cache, v_cache, o, lse, kvcache=kvcache, num_splits=num_splits, causal=causal,
+                               softmax_scale=softmax_scale, **variants)
+    if launches is None:
+        launches = forward_launches(q, k_cache, v_cache, o, lse, causal=causal, softmax_scale=softmax_scale,
+                                    kvcache=kvcache, **variants)
+    return launches
+
+
+def decode_launches(q, k_cache, v_cache, o, lse, *, kvcache, num_splits: int, causal: bool,
                     softmax_scale: float, **variants) -> Launches | None:
     """The KV-cache forward through flash_decode (and flash_decode_combine when split), or None where
-    config.choose_decode leaves the call to flash_fwd. num_splits: 0 picks (decode_splits); partial(n): a
-    device buffer of n bytes for the split partials, asked for only when the call splits."""
+    config.choose_decode leaves the call to flash_fwd. num_splits: 0 picks (decode_splits). Split, the
+    launches' `partial` says how much scratch they need."""
     b, sq, h, d = q.shape
     group = h // k_cache.shape[2]
     variant = _params.variant(causal, kvcache=kvcache, **variants)
@@ -195,16 +211,24 @@ def decode_launches(q, k_cache, v_cache, o, lse, partial, *, kvcache, num_splits
     num_splits = split_count(main, b * hk * m_blocks, int(p["seqlen_k"]), num_splits)
     dp = np.zeros((), dtype=_params.DECODE_PARAMS)
     dp["fwd"], dp["num_splits"] = p, num_splits
-    kernels, buf = [(main, (m_blocks * num_splits, hk, b))], None
+    kernels = [(main, (m_blocks * num_splits, hk, b))]
+    if num_splits > 1:
+        kernels.append((combine, (ceil_div(b * h * sq, combine.warps), 1, 1)))
+    launches = Launches(dp, kernels)
     if num_splits > 1:
         rows = b * h * sq
-        buf = partial(num_splits * rows * (main.head_dim + 1) * 4)
-        dp["o_partial"] = buf.data.ptr
-        dp["lse_partial"] = buf.data.ptr + num_splits * rows * main.head_dim * 4
-        kernels.append((combine, (ceil_div(rows, combine.warps), 1, 1)))
-    launches = Launches(dp, kernels)
-    launches.partial = buf  # held until the launches are run and dropped (stream-ordered reuse after that)
+        launches.partial = (num_splits * rows * (main.head_dim + 1) * 4, num_splits * rows * main.head_dim * 4)
     return launches
+
+
+def append_launches(k_cache, v_cache, k, v, cache_seqlens, block_table, counts, *, seqlen_new: int, batch: int,
+                    capacity: int) -> Launches:
+    """kvcache_append: k, v (None: no rows to write) written into the caches at each entry's rows
+    cache_seqlens[b] .. (cache_seqlens: an int32 device array, or an int for every entry), rows outside the cache
+    dropped; and with counts (an int32 (batch,) device array) each entry's keys after seqlen_new new rows."""
+    p = _params.append_params(k_cache, v_cache, k, v, cache_seqlens, block_table, counts, seqlen_new, capacity)
+    check_batch(batch)
+    return Launches(p, [(choose_append(k_cache.dtype), (1 if k is None else seqlen_new, batch, 1))])
 
 
 def split_count(cfg, tiles: int, capacity: int, num_splits: int) -> int:
@@ -265,19 +289,22 @@ def _current_stream() -> int:
 
 
 def forward(q, k, v, *, causal, softmax_scale, out, lse, varlen=None, num_splits=0, **variants):
-    """The forward's launches: flash_decode's for a KV cache (variants' kvcache) where it serves the call, with
-    num_splits splits, else forward_launches'."""
+    """The forward's launches: kvcache_launches' for a KV cache (variants' kvcache), with num_splits splits where
+    flash_decode serves it, else forward_launches'."""
     import cupy
 
     q, k, v = _ready(q), _ready(k), _ready(v)
     o = _result_buffer(out)
-    launches = None
     if variants.get("kvcache") is not None:
-        launches = decode_launches(q, k, v, o, lse, lambda n: cupy.empty(n, dtype=cupy.uint8), num_splits=num_splits,
-                                   causal=causal, softmax_scale=softmax_scale, **variants)
-    if launches is None:
+        launches = kvcache_launches(q, k, v, o, lse, num_splits=num_splits, causal=causal,
+                                    softmax_scale=softmax_scale, **variants)
+    else:
         launches = forward_launches(q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, varlen=varlen,
                                     **variants)
+    if launches.partial:  # dropped once enqueued: the pool reuses it in stream order
+        nbytes, lse_offset = launches.partial
+        scratch = cupy.empty(nbytes, dtype=cupy.uint8)
+        launches.patch(_params.PARTIAL_POINTERS, scratch.data.ptr, scratch.data.ptr + lse_offset)
     launches.run(_current_stream())
     if o is not out:
         out[...] = o
