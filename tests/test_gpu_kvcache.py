@@ -459,3 +459,49 @@ def test_plan_is_the_general_path(gpu, monkeypatch, kind, name, dtype, b, sq, h,
         # a start the cache cannot hold: the general path's error, from the planned signature too
         with pytest.raises(ValueError, match="cache_seqlens \\+ seqlen_new must be <= the cache's capacity"):
             call(caches, cap - new + 1)
+
+
+def test_decoding_step_in_a_torch_cuda_graph(gpu):
+    """A decoding step from its plan (the append, then the attention) captured in a torch CUDA graph: replayed after
+    new q, k, v values and cache_seqlens + 1 are written into the captured buffers, it leaves the caches and the
+    output bitwise as an eager call on a copy does."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    cp, cf = gpu.cp, gpu.cuflash
+    b, h, hk, d, cap, page = 2, 8, 2, 128, 256, 64
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    draw = lambda *s: torch.randn(*s, device="cuda", generator=gen).to(torch.bfloat16)
+    pages = b * cap // page + 2
+    kc, vc = draw(pages, page, hk, d), draw(pages, page, hk, d)
+    table = torch.randperm(pages, device="cuda", generator=gen)[:b * cap // page].reshape(b, -1).to(torch.int32)
+    q, k, v = draw(b, 1, h, d), draw(b, 1, hk, d), draw(b, 1, hk, d)
+    cs = torch.tensor([100, 7], dtype=torch.int32, device="cuda")
+
+    def step(kc, vc):
+        return cf.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=cs, block_table=table, return_lse=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step(kc, vc)  # compile, plan, warm the graph pool's allocator
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(kc, vc)
+    kc2, vc2 = kc.clone(), vc.clone()
+    for x in (q, k, v):
+        x.copy_(draw(*x.shape))
+    cs.add_(1)
+    graph.replay()
+    eager = step(kc2, vc2)
+    torch.cuda.synchronize()
+    for name, x, y in (("o", captured[0], eager[0]), ("lse", captured[1], eager[1]), ("k_cache", kc, kc2),
+                       ("v_cache", vc, vc2)):
+        assert int(cp.count_nonzero(_raw(x, cp) != _raw(y, cp))) == 0, f"{name}: graph replay differs from eager"
+    assert bool(torch.isfinite(captured[0].float()).all())
+    # the replay appended at the new counts: rows 101 and 8 hold this step's k
+    for e, row in ((0, 101), (1, 8)):
+        got = kc[table[e, row // page], row % page]
+        assert torch.equal(got.view(torch.int16), k[e, 0].view(torch.int16)), f"entry {e}: row {row}"
