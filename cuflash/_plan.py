@@ -83,19 +83,21 @@ def backward_key(do, q, k, v, o, lse, dq, dk, dv, causal, softmax_scale, layout,
         return None
 
 
-def kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, num_splits, return_lse,
-                backend):
-    """The plan-cache key of a flash_attn_with_kvcache call (without variants, check_inputs=False), or None. An int
-    cache_seqlens keys as `int`: its value changes from call to call (the plan checks it on each)."""
+def kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, window, softcap,
+                num_splits, return_lse, backend):
+    """The plan-cache key of a flash_attn_with_kvcache call (without ALiBi, check_inputs=False), or None. An int
+    cache_seqlens keys as `int`: its value changes from call to call (the plan checks it on each). The window (a
+    tuple of two ints) and the softcap (a float or int) key by value: the plan's launches are compiled for them."""
     if (_not_flag_or_scale(causal, softmax_scale) or return_lse.__class__ is not bool
-            or num_splits.__class__ is not int):
+            or num_splits.__class__ is not int or softcap.__class__ not in (float, int)
+            or window.__class__ is not tuple or len(window) != 2 or any(w.__class__ is not int for w in window)):
         return None
     try:
         sig = _signature_of(q.__class__)
         return (sig(q), sig(k_cache), sig(v_cache), None if k is None else sig(k), None if v is None else sig(v),
                 int if cache_seqlens.__class__ is int else sig(cache_seqlens),
-                None if block_table is None else sig(block_table), causal, softmax_scale, num_splits, return_lse,
-                backend, config._forced_family)
+                None if block_table is None else sig(block_table), causal, softmax_scale, window, softcap, num_splits,
+                return_lse, backend, config._forced_family)
     except Exception:
         return None
 
@@ -277,10 +279,12 @@ class KVCachePlan:
     cache_seqlens (it writes the rows and each entry's key count), the attention's launches (flash_decode's, or a
     forward's), and how to allocate o, lse and the scratch (flash_decode's split partials, the key counts).
     Built from a call that validated (q and cache_seqlens: the caller's; the rest as the general path's working
-    arrays, k, v and block_table None where absent); every pointer is patched on each call."""
+    arrays, k, v and block_table None where absent; variants: its window and softcap); every pointer is patched on
+    each call."""
 
     def __init__(self, caller, q, cache_seqlens, wq, k_cache, v_cache, k, v, block_table, seqlen_new: int,
-                 capacity: int, num_splits: int, causal: bool, scale: float, lse_dtype, return_lse: bool, general):
+                 capacity: int, num_splits: int, causal: bool, scale: float, lse_dtype, return_lse: bool, general,
+                 **variants):
         import cupy
 
         self.kind = kind = _Kind(caller)
@@ -298,7 +302,7 @@ class KVCachePlan:
             self.append = cuda.append_launches(k_cache, v_cache, k, v, 0, block_table, counts, seqlen_new=seqlen_new,
                                                batch=b, capacity=capacity)
         self.attend = cuda.kvcache_launches(wq, k_cache, v_cache, o, lse, kvcache=(counts, block_table),
-                                            num_splits=num_splits, causal=causal, softmax_scale=scale)
+                                            num_splits=num_splits, causal=causal, softmax_scale=scale, **variants)
         partial = self.attend.partial or (0, 0)
         self.lse_partial = partial[1]
         self.counts_offset = -(-partial[0] // 16) * 16

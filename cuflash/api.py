@@ -9,7 +9,8 @@ launches straight away. A miss takes the general path below: validate, import th
 backend, and, where the signature allows, leave a plan for the next call.
 
 Variants (window, softcap, alibi_slopes, dropout_p with seed and offset; the varlen functions) run on
-every backend. A call with any variant argument not at its default never uses the plan cache.
+every backend. A forward or backward call with any variant argument not at its default never uses the plan
+cache; a KV-cache call does with a window or a softcap (by value), not with ALiBi.
 """
 
 from __future__ import annotations
@@ -525,9 +526,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     (its keys read as zeros).
     """
     key = None
-    if window is NO_WINDOW and softcap is _OFF and alibi_slopes is None and check_inputs is False:
-        key = _plan.kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale,
-                                num_splits, return_lse, backend)
+    if alibi_slopes is None and check_inputs is False:
+        key = _plan.kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, window,
+                                softcap, num_splits, return_lse, backend)
         plan = _plan.KVCACHE.get(key)
         if plan is not None:
             return plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
@@ -572,7 +573,7 @@ def _with_kvcache(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, caus
                     if x is not None and not _checks._is_int(x) and _on_device(x)})
     call = _Call(q, "bshd", backend, devices)
     with call.context():
-        if key is not None and b and sq and h and not vkw and _plan.plannable(
+        if key is not None and b and sq and h and alibi_slopes is None and _plan.plannable(
                 call.caller, call.be, q, k_cache, v_cache, *([] if k is None else [k, v]),
                 indices=(cache_seqlens, block_table)):  # this call and the next of its signature, from a plan
             general = functools.partial(_with_kvcache, causal=causal, softmax_scale=softmax_scale, window=window,
@@ -582,7 +583,7 @@ def _with_kvcache(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, caus
                                                    ("k", k), ("v", v), ("block_table", block_table))]
             plan = _plan.KVCACHE[key] = _plan.KVCachePlan(call.caller, q, cache_seqlens, *ins, seqlen_new, capacity,
                                                           num_splits, causal, scale, numpy_dtype(lse_dtype(dt)),
-                                                          return_lse, general)
+                                                          return_lse, general, **vkw)
             return plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
         on_gpu = _on_device(k_cache)
         if seqlen_new and not on_gpu:

@@ -372,15 +372,19 @@ def test_numba_backend(gpu):
 # The plan cache (cuflash/_plan.py): a call whose signature repeats launches from the plan its first call left,
 # kvcache_append first where there are new rows or an int cache_seqlens. The plan's result and caches must be
 # bitwise the general path's, for CuPy and torch inputs, whichever kernel serves the call.
-# (id, dtype, b, sq, h, hk, d, capacity, page_size, cache_seqlens, seqlen_new, causal)
+# (id, dtype, b, sq, h, hk, d, capacity, page_size, cache_seqlens, seqlen_new, causal, variants)
 PLAN_CASES = [
-    ("decode-split", "bfloat16", 1, 1, 16, 2, 128, 4096, None, [3000], 1, False),  # num_splits=0 splits a lone entry
-    ("decode-paged-int", "float16", 3, 1, 8, 2, 64, 1024, 64, 700, 1, False),
-    ("speculative-paged", "bfloat16", 2, 4, 8, 2, 128, 1024, 16, [500, 9], 4, True),
-    ("chunk", "bfloat16", 2, 200, 8, 2, 128, 1024, None, [300, 0], 200, True),  # flash_fwd_sm90 on Hopper
-    ("chunk-paged-int", "float16", 2, 130, 4, 4, 64, 512, 64, 100, 130, True),
-    ("no-append", "bfloat16", 2, 1, 8, 2, 128, 2048, None, [2000, 5], 0, False),
-    ("no-append-int-fp32", "float32", 2, 3, 4, 2, 64, 256, None, 100, 0, True),  # the SIMT forward
+    ("decode-split", "bfloat16", 1, 1, 16, 2, 128, 4096, None, [3000], 1, False, {}),  # num_splits=0 splits it
+    ("decode-paged-int", "float16", 3, 1, 8, 2, 64, 1024, 64, 700, 1, False, {}),
+    ("speculative-paged", "bfloat16", 2, 4, 8, 2, 128, 1024, 16, [500, 9], 4, True, {}),
+    ("chunk", "bfloat16", 2, 200, 8, 2, 128, 1024, None, [300, 0], 200, True, {}),  # flash_fwd_sm90 on Hopper
+    ("chunk-paged-int", "float16", 2, 130, 4, 4, 64, 512, 64, 100, 130, True, {}),
+    ("no-append", "bfloat16", 2, 1, 8, 2, 128, 2048, None, [2000, 5], 0, False, {}),
+    ("no-append-int-fp32", "float32", 2, 3, 4, 2, 64, 256, None, 100, 0, True, {}),  # the SIMT forward
+    ("window-softcap", "bfloat16", 3, 2, 8, 2, 96, 1024, 16, [700, 0, 1017], 2, True,
+     dict(window=(100, 0), softcap=4.0)),
+    ("window-softcap-chunk-int", "float16", 2, 150, 8, 2, 128, 512, None, 200, 150, False,
+     dict(window=(64, 32), softcap=30.0)),
 ]
 
 
@@ -412,8 +416,10 @@ def _raw(x, cp):
 
 
 @pytest.mark.parametrize("kind", ["cupy", "torch"])
-@pytest.mark.parametrize("name,dtype,b,sq,h,hk,d,cap,page,lens,new,causal", PLAN_CASES, ids=[c[0] for c in PLAN_CASES])
-def test_plan_is_the_general_path(gpu, monkeypatch, kind, name, dtype, b, sq, h, hk, d, cap, page, lens, new, causal):
+@pytest.mark.parametrize("name,dtype,b,sq,h,hk,d,cap,page,lens,new,causal,variants", PLAN_CASES,
+                         ids=[c[0] for c in PLAN_CASES])
+def test_plan_is_the_general_path(gpu, monkeypatch, kind, name, dtype, b, sq, h, hk, d, cap, page, lens, new, causal,
+                                  variants):
     if kind == "torch":
         torch = pytest.importorskip("torch")
         if not torch.cuda.is_available():
@@ -429,7 +435,7 @@ def test_plan_is_the_general_path(gpu, monkeypatch, kind, name, dtype, b, sq, h,
     def call(caches, start):
         kc, vc = (x.clone() if kind == "torch" else x.copy() for x in caches)
         o, lse = cf.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=start, block_table=table, causal=causal,
-                                            return_lse=True, backend="cuda")
+                                            return_lse=True, backend="cuda", **variants)
         return o, lse, kc, vc
 
     monkeypatch.setattr(_plan, "KVCACHE", {})
