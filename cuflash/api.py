@@ -573,7 +573,7 @@ def _with_kvcache(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, caus
                     if x is not None and not _checks._is_int(x) and _on_device(x)})
     call = _Call(q, "bshd", backend, devices)
     with call.context():
-        if key is not None and b and sq and h and alibi_slopes is None and _plan.plannable(
+        if key is not None and b and sq and h and _plan.plannable(
                 call.caller, call.be, q, k_cache, v_cache, *([] if k is None else [k, v]),
                 indices=(cache_seqlens, block_table)):  # this call and the next of its signature, from a plan
             general = functools.partial(_with_kvcache, causal=causal, softmax_scale=softmax_scale, window=window,

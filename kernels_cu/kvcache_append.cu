@@ -1,12 +1,12 @@
 // Writing new key and value rows into a KV cache, in place, before flash_attn_with_kvcache attends over it;
 // and each entry's key count after the append, which the attention kernels read (FwdParams::seqused_k).
 //
-// Grid (seqlen_new, or 1 without rows to write, batch): block (r, b) copies row r of k_new[b] and v_new[b] (every head) to logical
-// cache row start_b + r, start_b = cache_seqlens[b] (or AppendParams::start for every entry); dense caches
-// hold logical row j at row j of the entry, paged ones at row j % page_size of page block_table[b, j /
-// page_size] (seqinfo.cuh's KeyRows). Values are not trusted: a row outside [0, capacity), or on a page
-// outside [0, num_pages), is not written, so no value reaches outside the caches (api.flash_attn_with_kvcache).
-// The NumPy path of the same append is api._append.
+// Grid (seqlen_new, or 1 without rows to write, batch): block (r, b) copies row r of k_new[b] and v_new[b] (every
+// head) to logical cache row start_b + r, start_b = cache_seqlens[b] (or AppendParams::start for every entry);
+// dense caches hold logical row j at row j of the entry, paged ones at row j % page_size of page block_table[b, j /
+// page_size] (seqinfo.cuh's KeyRows). Values are not trusted: a row outside [0, capacity), or on a page outside
+// [0, num_pages), is not written, so no value reaches outside the caches (api.flash_attn_with_kvcache).
+// The NumPy path of the same append is api._append_on_host.
 #include "params.cuh"
 #include "common.cuh"
 
