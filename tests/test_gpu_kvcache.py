@@ -1,7 +1,8 @@
 """flash_attn_with_kvcache on the GPU (backend="cuda"): every dtype, dense and paged caches (paged
 bitwise equal to dense: the same tiles read the same values in the same order), the append in
 place, and device-side cache_seqlens / block_table with out-of-range values (clamped: no crash, no read
-or write outside the caches, checked with guard rows around them), check_inputs=True refusing them.
+or write outside the caches, checked with guard rows around them), check_inputs=True refusing them; the plan
+cache (a repeated signature's launches) bitwise the general path, and a decoding step in a CUDA graph.
 
 Judged as tests/test_gpu_variants.py judges the forward (DESIGN.md's accuracy rule), against
 cuflash.reference on the GPU over each entry's logical keys (tests/test_kvcache.py's kv_reference):
@@ -389,7 +390,8 @@ PLAN_CASES = [
 
 
 def _plan_inputs(gpu, kind, dtype, b, sq, h, hk, d, cap, page, lens, new, seed):
-    """One call's arrays as `kind` ("cupy" or "torch"), and a function making fresh copies of the caches."""
+    """One call's arrays as `kind` ("cupy" or "torch"): q, (k_cache, v_cache), k, v (None without new rows),
+    cache_seqlens (an int, or an int32 array) and block_table (None for a dense cache)."""
     c = make_cache(np.random.default_rng(seed), b, sq, h, hk, d, cap, new, lens, page_size=page, dtype=np.float32)
     names = ["q", "k_cache_paged" if page else "k_cache", "v_cache_paged" if page else "v_cache", "k", "v"]
     if kind == "torch":
@@ -420,6 +422,9 @@ def _raw(x, cp):
                          ids=[c[0] for c in PLAN_CASES])
 def test_plan_is_the_general_path(gpu, monkeypatch, kind, name, dtype, b, sq, h, hk, d, cap, page, lens, new, causal,
                                   variants):
+    """The general path (no key), then the signature's first call (it builds the plan and runs from it) and its
+    second (the plan alone): o, lse and the caches bitwise alike; with an int cache_seqlens, another value through
+    the plan against the general path's, and a value the cache cannot hold refused with the general path's error."""
     if kind == "torch":
         torch = pytest.importorskip("torch")
         if not torch.cuda.is_available():
