@@ -6,8 +6,8 @@
 #   git archive REV cuflash kernels_cu bench pyproject.toml | (mkdir -p _old && tar -x -C _old)
 #   OLD=_old bash bench/ab.sh causal full det bwd fwd      # on the device, after installing the wheels
 # Stages: causal / full (`cuflash bench --suite seqlen` against cuDNN, with or without --no-causal), variants
-# (`cuflash bench --suite variants`, cuflash alone), det (bench/deterministic.py), bwd / fwd
-# (bench/families.py). Output: $OUT/ab.tgz holding <stage>-<tree>.json and .log, and ab.txt (each run's exit
+# (`cuflash bench --suite variants`, cuflash alone), decode (`cuflash bench --suite decode`, cuflash and cuDNN),
+# det (bench/deterministic.py), bwd / fwd (bench/families.py). Output: $OUT/ab.tgz holding <stage>-<tree>.json and .log, and ab.txt (each run's exit
 # status and the seconds since the start).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; ROOT=$PWD; OLD=$(cd "${OLD:?OLD: the folder of the tree to compare against}" && pwd)
@@ -31,6 +31,8 @@ for stage in "$@"; do
       full) run "$tree" "$stage" python3 -m cuflash bench --suite seqlen --no-causal --backends cuflash,torch-cudnn \
               --json "$json" ;;
       variants) run "$tree" "$stage" python3 -m cuflash bench --suite variants --backends cuflash --json "$json" ;;
+      decode) run "$tree" "$stage" python3 -m cuflash bench --suite decode --backends cuflash,torch-cudnn \
+                --json "$json" ;;
       det) run "$tree" "$stage" python3 bench/deterministic.py "$json" ;;
       bwd | fwd) run "$tree" "$stage" python3 bench/families.py "$stage" "$json" ;;
       *) echo "unknown stage $stage" | tee -a "$WORK/ab.txt" ;;
