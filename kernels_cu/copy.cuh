@@ -12,11 +12,12 @@
 
 namespace cuflash {
 
-// cp.async of 16 bytes; pred == false writes 16 zero bytes and reads nothing (src-size 0).
+// cp.async of 16 bytes; pred == false writes 16 zero bytes and reads nothing (src-size 0). L2::128B: a miss fetches
+// the whole 128-byte line (flash_decode's stream +2-3 % on the H200, the prefill kernels unchanged: RESULTS (g)).
 __device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, bool pred) {
     const int src_size = pred ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(__cvta_generic_to_global(src)),
-                 "r"(src_size)
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n"
+                 ::"r"(dst), "l"(__cvta_generic_to_global(src)), "r"(src_size)
                  : "memory");
 }
 
