@@ -35,15 +35,35 @@ __global__ void __launch_bounds__(kAppendThreads) kvcache_append(const __grid_co
         row = j % a.page_size;
     }
 
-    // [3] Copy the row, every head
-    const T* k_new = static_cast<const T*>(a.k_new) + batch * a.k_new_batch_stride + r * a.k_new_row_stride;
-    const T* v_new = static_cast<const T*>(a.v_new) + batch * a.v_new_batch_stride + r * a.v_new_row_stride;
-    T* k = static_cast<T*>(a.k) + slab * a.k_batch_stride + row * a.k_row_stride;
-    T* v = static_cast<T*>(a.v) + slab * a.v_batch_stride + row * a.v_row_stride;
-    for (int i = threadIdx.x; i < a.nheads_k * a.head_dim; i += kAppendThreads) {
-        const int h = i / a.head_dim, c = i % a.head_dim;
-        k[h * a.k_head_stride + c] = k_new[h * a.k_new_head_stride + c];
-        v[h * a.v_head_stride + c] = v_new[h * a.v_new_head_stride + c];
+    // [3] Copy the row, every head: in 16-byte chunks where every row start and the head dim are 16-byte aligned
+    // (the caches a plan serves), else element by element. __restrict__: the new rows and the caches never
+    // overlap, so the loads may all be issued before the stores.
+    const T* __restrict__ k_new =
+        static_cast<const T*>(a.k_new) + batch * a.k_new_batch_stride + r * a.k_new_row_stride;
+    const T* __restrict__ v_new =
+        static_cast<const T*>(a.v_new) + batch * a.v_new_batch_stride + r * a.v_new_row_stride;
+    T* __restrict__ k = static_cast<T*>(a.k) + slab * a.k_batch_stride + row * a.k_row_stride;
+    T* __restrict__ v = static_cast<T*>(a.v) + slab * a.v_batch_stride + row * a.v_row_stride;
+    constexpr int kVec = 16 / sizeof(T);
+    const bool wide = ((reinterpret_cast<unsigned long long>(k_new) | reinterpret_cast<unsigned long long>(v_new) |
+                        reinterpret_cast<unsigned long long>(k) | reinterpret_cast<unsigned long long>(v)) % 16 == 0) &&
+                      (a.head_dim | a.k_new_head_stride | a.v_new_head_stride | a.k_head_stride | a.v_head_stride) %
+                              kVec == 0;
+    if (wide) {
+        const int chunks = a.head_dim / kVec;
+        for (int i = threadIdx.x; i < a.nheads_k * chunks; i += kAppendThreads) {
+            const int h = i / chunks, c = (i % chunks) * kVec;
+            const uint4 kx = *reinterpret_cast<const uint4*>(k_new + h * a.k_new_head_stride + c);
+            const uint4 vx = *reinterpret_cast<const uint4*>(v_new + h * a.v_new_head_stride + c);
+            *reinterpret_cast<uint4*>(k + h * a.k_head_stride + c) = kx;
+            *reinterpret_cast<uint4*>(v + h * a.v_head_stride + c) = vx;
+        }
+    } else {
+        for (int i = threadIdx.x; i < a.nheads_k * a.head_dim; i += kAppendThreads) {
+            const int h = i / a.head_dim, c = i % a.head_dim;
+            k[h * a.k_head_stride + c] = k_new[h * a.k_new_head_stride + c];
+            v[h * a.v_head_stride + c] = v_new[h * a.v_new_head_stride + c];
+        }
     }
 }
 

@@ -317,6 +317,35 @@ def test_device_values_out_of_range_are_clamped(gpu, dtype):
     assert gpu.same_bits(kbuf[krest], guard[0]) == 0 and gpu.same_bits(vbuf[vrest], guard[1]) == 0
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "one-element-off"])
+def test_append_from_views(gpu, dtype, offset):
+    """kvcache_append's two copies: 16-byte chunks (k, v rows 16-byte aligned) and single elements (k, v views
+    one element into wider buffers): the caches after the append hold the logical rows bit for bit, dense and
+    paged, and the attention over them is the same."""
+    cp, cf = gpu.cp, gpu.cuflash
+    d, new = 64, 3
+    c = _device(gpu, make_cache(np.random.default_rng(5), B, new, H, HK, d, 256, new, [10, 0, 200], page_size=16,
+                                dtype=gpu.np_dtype(dtype)))
+    views = {}
+    for n in ("k", "v"):
+        buf = cp.zeros(c[n].shape[:-1] + (d + 8,), dtype=c[n].dtype)
+        views[n] = buf[..., offset:offset + d]
+        views[n][...] = c[n]
+    cs = cp.asarray(np.array([10, 0, 200], dtype=np.int32))
+    o = cf.flash_attn_with_kvcache(c["q"], c["k_cache"], c["v_cache"], views["k"], views["v"], cache_seqlens=cs,
+                                   backend="cuda")
+    kp, vp, table = c["k_cache_paged"], c["v_cache_paged"], c["block_table"]
+    o2 = cf.flash_attn_with_kvcache(c["q"], kp, vp, views["k"], views["v"], cache_seqlens=cs, block_table=table,
+                                    backend="cuda")
+    cp.cuda.get_current_stream().synchronize()
+    for n in ("k", "v"):
+        assert gpu.same_bits(c[f"{n}_cache"], c[f"{n}_logical"]) == 0, f"{n}_cache after the append"
+    for pool, logical in ((kp, c["k_logical"]), (vp, c["v_logical"])):
+        assert gpu.same_bits(pool[table].reshape(logical.shape), logical) == 0, "pages after the append"
+    assert gpu.same_bits(o2, o) == 0
+
+
 def test_check_inputs_refuses_device_values(gpu):
     cp, cf = gpu.cp, gpu.cuflash
     c = _device(gpu, make_cache(np.random.default_rng(4), B, 1, H, HK, 64, 64, 1, 0, page_size=16,
