@@ -58,27 +58,36 @@ def _not_flag_or_scale(causal, softmax_scale, deterministic=False) -> bool:
             or (softmax_scale is not None and softmax_scale.__class__ not in (float, int)))
 
 
-def forward_key(q, k, v, out, causal, softmax_scale, layout, backend):
-    """The plan-cache key of a forward call, or None when the call cannot have a plan. Every array
-    gets q's signature function: each signature holds its own type, and a foreign type raises."""
-    if _not_flag_or_scale(causal, softmax_scale):
+def _not_window_or_softcap(window, softcap) -> bool:
+    """A window other than a tuple of two ints, or a softcap other than a float or int: the general path checks
+    (or converts) it, so no key. Plans key both by value: their launches are built for them."""
+    return (softcap.__class__ not in (float, int) or window.__class__ is not tuple or len(window) != 2
+            or any(w.__class__ is not int for w in window))
+
+
+def forward_key(q, k, v, out, causal, softmax_scale, window, softcap, layout, backend):
+    """The plan-cache key of a forward call (without ALiBi or dropout), or None when the call cannot have a plan.
+    Every array gets q's signature function: each signature holds its own type, and a foreign type raises."""
+    if _not_flag_or_scale(causal, softmax_scale) or _not_window_or_softcap(window, softcap):
         return None
     try:
         sig = _signature_of(q.__class__)
-        return (sig(q), sig(k), sig(v), None if out is None else sig(out), causal, softmax_scale, layout, backend,
-                config._forced_family)
+        return (sig(q), sig(k), sig(v), None if out is None else sig(out), causal, softmax_scale, window, softcap,
+                layout, backend, config._forced_family)
     except Exception:
         return None
 
 
-def backward_key(do, q, k, v, o, lse, dq, dk, dv, causal, softmax_scale, layout, backend, deterministic):
-    if _not_flag_or_scale(causal, softmax_scale, deterministic):
+def backward_key(do, q, k, v, o, lse, dq, dk, dv, causal, softmax_scale, window, softcap, layout, backend,
+                 deterministic):
+    """forward_key's counterpart for flash_attn_backward."""
+    if _not_flag_or_scale(causal, softmax_scale, deterministic) or _not_window_or_softcap(window, softcap):
         return None
     try:
         sig = _signature_of(q.__class__)
         return (sig(do), sig(q), sig(k), sig(v), sig(o), sig(lse), None if dq is None else sig(dq),
                 None if dk is None else sig(dk), None if dv is None else sig(dv),
-                causal, softmax_scale, layout, backend, deterministic, config._forced_family)
+                causal, softmax_scale, window, softcap, layout, backend, deterministic, config._forced_family)
     except Exception:
         return None
 
@@ -86,11 +95,10 @@ def backward_key(do, q, k, v, o, lse, dq, dk, dv, causal, softmax_scale, layout,
 def kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, window, softcap,
                 num_splits, return_lse, backend):
     """The plan-cache key of a flash_attn_with_kvcache call (without ALiBi, check_inputs=False), or None. An int
-    cache_seqlens keys as `int`: its value changes from call to call (the plan checks it on each). The window (a
-    tuple of two ints) and the softcap (a float or int) key by value: the plan's launches are compiled for them."""
+    cache_seqlens keys as `int`: its value changes from call to call (the plan checks it on each); the window and
+    the softcap by value, as for forward_key."""
     if (_not_flag_or_scale(causal, softmax_scale) or return_lse.__class__ is not bool
-            or num_splits.__class__ is not int or softcap.__class__ not in (float, int)
-            or window.__class__ is not tuple or len(window) != 2 or any(w.__class__ is not int for w in window)):
+            or num_splits.__class__ is not int or _not_window_or_softcap(window, softcap)):
         return None
     try:
         sig = _signature_of(q.__class__)

@@ -31,9 +31,10 @@ _OFF = 0.0
 _ZERO = 0
 
 
-def _plain(window, softcap, alibi_slopes, dropout_p, seed, offset) -> bool:
-    return (window is NO_WINDOW and softcap is _OFF and alibi_slopes is None and dropout_p is _OFF
-            and seed is _ZERO and offset is _ZERO)
+def _plannable_variants(alibi_slopes, dropout_p, seed, offset) -> bool:
+    """Neither ALiBi nor dropout (their defaults' very objects): a plan can serve the call (forward_key then
+    checks the window and the softcap, which it keys by value)."""
+    return alibi_slopes is None and dropout_p is _OFF and seed is _ZERO and offset is _ZERO
 
 
 def _choose(name: str) -> str:
@@ -180,8 +181,8 @@ def flash_attn_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bsh
     that of the undropped probabilities).
     """
     key = None
-    if _plain(window, softcap, alibi_slopes, dropout_p, seed, offset):
-        key = _plan.forward_key(q, k, v, out, causal, softmax_scale, layout, backend)
+    if _plannable_variants(alibi_slopes, dropout_p, seed, offset):
+        key = _plan.forward_key(q, k, v, out, causal, softmax_scale, window, softcap, layout, backend)
         plan = _plan.FORWARD.get(key)
         if plan is not None:
             return plan(q, k, v, out)
@@ -200,7 +201,7 @@ def _forward(q, k, v, *, causal, softmax_scale, layout, backend, out, key=None,
     dt, qb, kb, vb = _validate_qkv(q, k, v, layout)
     b, sq, h, d = qb.shape
     scale = _checks.check_softmax_scale(softmax_scale, d)
-    vkw, what = _variants(causal, window, softcap, alibi_slopes, dropout_p, seed, offset, b, h)
+    vkw, _ = _variants(causal, window, softcap, alibi_slopes, dropout_p, seed, offset, b, h)
     if out is not None:
         _checks.check_out(out, tuple(q.shape), dt, {"q": q, "k": k, "v": v})
     call = _Call(q, layout, backend, {"q": q, "k": k, "v": v, "out": out, "alibi_slopes": alibi_slopes})
@@ -211,10 +212,10 @@ def _forward(q, k, v, *, causal, softmax_scale, layout, backend, out, key=None,
         lse_arr, lse = call.new((b, h, sq), lse_dtype(dt))
         inputs = [_bshd(call.working(n, x), layout) for n, x in (("q", q), ("k", k), ("v", v))]
         vkw = _working_variants(call, vkw)
-        if key is not None and not what and _plan.plannable(call.caller, call.be, q, k, v, *outputs):
+        if key is not None and _plan.plannable(call.caller, call.be, q, k, v, *outputs):
             general = functools.partial(_forward, causal=causal, softmax_scale=softmax_scale, layout=layout,
-                                        backend=backend)
-            launches = call.be.forward_launches(*inputs, o, lse, causal=causal, softmax_scale=scale)
+                                        backend=backend, window=window, softcap=softcap)
+            launches = call.be.forward_launches(*inputs, o, lse, causal=causal, softmax_scale=scale, **vkw)
             _plan.FORWARD[key] = _plan.ForwardPlan(call.caller, launches, q, k, v, out, (b, h, sq),
                                                    numpy_dtype(lse_dtype(dt)), general)
         if b and sq and h:
@@ -252,9 +253,9 @@ def flash_attn_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None
     fp32 / fp64 and the host backends are deterministic either way.
     """
     key = None
-    if _plain(window, softcap, alibi_slopes, dropout_p, seed, offset):
-        key = _plan.backward_key(do, q, k, v, o, lse, dq, dk, dv, causal, softmax_scale, layout, backend,
-                                 deterministic)
+    if _plannable_variants(alibi_slopes, dropout_p, seed, offset):
+        key = _plan.backward_key(do, q, k, v, o, lse, dq, dk, dv, causal, softmax_scale, window, softcap, layout,
+                                 backend, deterministic)
         plan = _plan.BACKWARD.get(key)
         if plan is not None:
             return plan(do, q, k, v, o, lse, dq, dk, dv)
@@ -280,7 +281,7 @@ def _backward(do, q, k, v, o, lse, *, causal, softmax_scale, layout, backend, de
         _checks.check_like(name, x, tuple(q.shape), dt)
     _checks.check_lse(lse, (b, h, sq), lse_dtype(dt))
     scale = _checks.check_softmax_scale(softmax_scale, d)
-    vkw, what = _variants(causal, window, softcap, alibi_slopes, dropout_p, seed, offset, b, h)
+    vkw, _ = _variants(causal, window, softcap, alibi_slopes, dropout_p, seed, offset, b, h)
     inputs = {"dout": do, "q": q, "k": k, "v": v, "o": o, "lse": lse}
     grads = _check_grad_outs(inputs, dq, dk, dv, dt)
     call = _Call(q, layout, backend, {**inputs, **grads, "alibi_slopes": alibi_slopes})
@@ -293,12 +294,12 @@ def _backward(do, q, k, v, o, lse, *, causal, softmax_scale, layout, backend, de
         # the workspace (D, the dQ accumulator), from the caller's allocator (host backends make their own)
         workspace = _workspace(call, dt, d, h, b, sq, b, sq, deterministic)
         vkw = _working_variants(call, vkw)
-        if key is not None and not what and _plan.plannable(call.caller, call.be, do, q, k, v, o,
+        if key is not None and _plan.plannable(call.caller, call.be, do, q, k, v, o,
                                                *(x for x in (dq, dk, dv) if x is not None)):
             general = functools.partial(_backward, causal=causal, softmax_scale=softmax_scale, layout=layout,
-                                        backend=backend, deterministic=deterministic)
+                                        backend=backend, deterministic=deterministic, window=window, softcap=softcap)
             launches = call.be.backward_launches(*ins, *g, workspace, causal=causal, softmax_scale=scale,
-                                                 deterministic=deterministic)
+                                                 deterministic=deterministic, **vkw)
             _plan.BACKWARD[key] = _plan.BackwardPlan(call.caller, launches, do, q, k, v, o, lse, (dq, dk, dv),
                                                      workspace.shape, general)
         if b and h and (sq or kb.shape[1]):

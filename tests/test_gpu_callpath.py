@@ -132,6 +132,33 @@ def test_plan_cache_serves_repeated_calls(gpu, monkeypatch, kind, layout):
     gpu.check(ctx, "bfloat16", True, None, *map(_cupy, (q, k, v, do, o2, lse2, *g2)))
 
 
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+def test_plans_serve_window_and_softcap(gpu, monkeypatch, kind):
+    """A repeated call with a window and a softcap runs from a plan (never the general path), bitwise the first
+    call's results; another window value takes the general path once, then has its own plan."""
+    cf = gpu.cuflash
+    b, s, h, hk, d = 2, 256, 4, 2, 64
+    kw = dict(causal=True, window=(40, 0), softcap=3.0)
+    ctx = gpu.ctx("bfloat16", b, s, s, h, hk, d, True, extra=f"plan with window and softcap, {kind}")
+    q, k, v, do = _inputs(gpu, kind, "bfloat16", (b, s, h, d), (b, s, hk, d), ctx)
+    o, lse = cf.flash_attn_forward(q, k, v, **kw)
+    g = cf.flash_attn_backward(do, q, k, v, o, lse, deterministic=True, **kw)
+    general = []
+    real_fwd, real_bwd = api._forward, api._backward
+    monkeypatch.setattr(api, "_forward", lambda *a, **k_: (general.append("fwd"), real_fwd(*a, **k_))[1])
+    monkeypatch.setattr(api, "_backward", lambda *a, **k_: (general.append("bwd"), real_bwd(*a, **k_))[1])
+    o2, lse2 = cf.flash_attn_forward(q, k, v, **kw)
+    g2 = cf.flash_attn_backward(do, q, k, v, o2, lse2, deterministic=True, **kw)
+    assert general == [], f"a cached signature took the general path: {general} [{ctx}]"
+    for name, x, y in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, *g), (o2, lse2, *g2)):
+        assert _bits_equal(gpu, x, y) == 0, f"{name}: plan result differs [{ctx}]"
+    other = dict(kw, window=(41, 0))
+    o3, lse3 = cf.flash_attn_forward(q, k, v, **other)
+    cf.flash_attn_forward(q, k, v, **other)
+    assert general == ["fwd"], f"a new window must take the general path once: {general}"
+    assert _bits_equal(gpu, o3, o2) != 0, "window (41, 0) gave window (40, 0)'s output"
+
+
 def test_cached_call_still_rejects_bad_input(gpu):
     """A cached signature with out= overlapping q (a pointer matter, not a signature one) raises."""
     cf = gpu.cuflash
@@ -303,20 +330,25 @@ def test_jax_results_are_jax_arrays_without_copy(gpu, monkeypatch):
 
 
 def test_plans_are_per_signature():
-    """Signatures differing only in a flag, the scale's type-compatible value, or out= get distinct
-    keys; values the general path must check (non-bool flags, bool or str scales) get none."""
+    """Signatures differing only in a flag, the scale's type-compatible value, the window, the softcap, or out=
+    get distinct keys; values the general path must check (non-bool flags, bool or str scales, windows that are
+    not tuples of two ints, softcaps that are not numbers) get none."""
     import cupy
 
     q = cupy.empty((1, 8, 2, 32), dtype=cupy.float16)
     key = lambda **kw: _plan.forward_key(q, q, q, kw.get("out"), kw.get("causal", False),  # noqa: E731
-                                         kw.get("scale"), "bshd", "auto")
+                                         kw.get("scale"), kw.get("window", (-1, -1)), kw.get("softcap", 0.0),
+                                         "bshd", "auto")
     assert key() is not None and key() == key()
     assert key(causal=True) != key()
     assert key(scale=0.5) != key() and key(scale=1) == key(scale=1.0)
+    assert key(window=(8, 0)) != key() and key(window=(8, 0)) != key(window=(8, 1))
+    assert key(softcap=2.0) != key() and key(softcap=2) == key(softcap=2.0)
     assert key(out=q) != key()
-    for bad in ({"causal": 1}, {"causal": "False"}, {"scale": True}, {"scale": "0.5"}):
+    for bad in ({"causal": 1}, {"causal": "False"}, {"scale": True}, {"scale": "0.5"}, {"window": [8, 0]},
+                {"window": (8, 0.0)}, {"window": (8,)}, {"softcap": "2"}, {"softcap": None}):
         assert key(**bad) is None, bad
-    assert _plan.forward_key([1], q, q, None, False, None, "bshd", "auto") is None
+    assert _plan.forward_key([1], q, q, None, False, None, (-1, -1), 0.0, "bshd", "auto") is None
 
 
 def test_plans_from_other_threads(gpu):

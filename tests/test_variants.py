@@ -468,20 +468,23 @@ def test_window_that_is_only_causal_is_plain():
     assert what == ["window"]
 
 
-def test_plan_cache_only_for_plain_calls(monkeypatch):
-    """A call with any variant argument away from its default object never computes a plan key."""
+def test_plan_cache_skips_alibi_and_dropout(monkeypatch):
+    """A call with ALiBi or a dropout argument away from its default object never computes a plan key; plain
+    calls and calls with a window or a softcap do (the key holds their values)."""
     calls = []
-    monkeypatch.setattr(api._plan, "forward_key", lambda *a: calls.append("f"))
-    monkeypatch.setattr(api._plan, "backward_key", lambda *a: calls.append("b"))
+    monkeypatch.setattr(api._plan, "forward_key", lambda *a: calls.append(("f", a[6:8])))
+    monkeypatch.setattr(api._plan, "backward_key", lambda *a: calls.append(("b", a[11:13])))
     q, k, v = _qkv()
-    for kw in (dict(window=(2, 2)), dict(softcap=0.0), dict(dropout_p=0.2, seed=4), dict(offset=1),
-               dict(alibi_slopes=np.ones(2, np.float32))):
+    for kw in (dict(dropout_p=0.2, seed=4), dict(dropout_p=0.0), dict(seed=3), dict(offset=1),
+               dict(alibi_slopes=np.ones(2, np.float32)), dict(alibi_slopes=np.ones(2, np.float32), window=(2, 2))):
         o, lse = cuflash.flash_attn_forward(q, k, v, backend="numpy", **kw)
         cuflash.flash_attn_backward(q, q, k, v, o, lse, backend="numpy", **kw)
     assert calls == []
-    o, lse = cuflash.flash_attn_forward(q, k, v, backend="numpy")
-    cuflash.flash_attn_backward(q, q, k, v, o, lse, backend="numpy")
-    assert calls == ["f", "b"]
+    for kw in ({}, dict(window=(2, 2)), dict(softcap=1.5)):
+        o, lse = cuflash.flash_attn_forward(q, k, v, backend="numpy", **kw)
+        cuflash.flash_attn_backward(q, q, k, v, o, lse, backend="numpy", **kw)
+    assert calls == [("f", ((-1, -1), 0.0)), ("b", ((-1, -1), 0.0)), ("f", ((2, 2), 0.0)), ("b", ((2, 2), 0.0)),
+                     ("f", ((-1, -1), 1.5)), ("b", ((-1, -1), 1.5))]
 
 
 def test_api_variants_match_backend():
