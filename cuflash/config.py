@@ -254,7 +254,7 @@ def smem_bytes(cfg: KernelConfig) -> int:
         stages = 2 if fixed + 2 * stage <= SMEM_LIMIT[80] else 1  # kStages: two buffers where sm_80 fits them
         return fixed + stages * stage
     if cfg.kernel == "flash_decode":  # Q tile; per warp decode_stages slots of K and V (kWarpKeys = bn / warps rows)
-        return (bm + 2 * decode_stages(cfg) * bn) * row * e
+        return bm * row * e + 2 * decode_stages(cfg) * bn * decode_ring_pitch(d) * e
     if cfg.kernel in ("flash_decode_combine", "kvcache_append"):
         return 0
     if cfg.kernel == "flash_fwd_simt":  # Q, K, V tiles (rows padded by 16 bytes); P tile (rows padded by 8)
@@ -458,11 +458,17 @@ def choose_append(dtype) -> KernelConfig:
     return KernelConfig("kvcache_append", dtype_name(dtype), 0, 0, 0, 4, 0)
 
 
+def decode_ring_pitch(head_dim: int) -> int:
+    """flash_decode's K / V ring rows (decode_ring_pitch in flash_decode.cu): the head dim rounded up to 64
+    elements (128-byte rows)."""
+    return ceil_div(head_dim, 64) * 64
+
+
 def decode_stages(cfg: KernelConfig) -> int:
     """flash_decode's kStages (decode_stages in flash_decode.cu): 3 where the block fits in sm_80's shared
     memory, else 2."""
-    row = (cfg.head_dim + 8) * 2
-    return 3 if (cfg.block_m + 2 * 3 * cfg.block_n) * row <= SMEM_LIMIT[80] else 2
+    q = cfg.block_m * (cfg.head_dim + 8) * 2
+    return 3 if q + 2 * 3 * cfg.block_n * decode_ring_pitch(cfg.head_dim) * 2 <= SMEM_LIMIT[80] else 2
 
 
 def decode_splits(tiles: int, key_blocks: int, sms: int) -> int:

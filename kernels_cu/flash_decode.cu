@@ -14,10 +14,11 @@
 //   in the loop. The warps' states are merged once, through shared memory, at the end.
 // The stream of K and V is the cost; stages x warps x blocks per SM keep enough of it in flight.
 //
-// Shared memory (16-bit elements, row pitch kHeadDim + 8, see copy.cuh):
-//   sQ [16][pitch]; per warp kStages slots of (K [kWarpKeys][pitch], V [kWarpKeys][pitch])
+// Shared memory (16-bit elements):
+//   sQ [16][kHeadDim + 8] (padded rows, copy.cuh); per warp kStages slots of (K [kWarpKeys][kRingPitch],
+//   V [kWarpKeys][kRingPitch]): rows of decode_ring_pitch elements, chunks swizzled (ring_offset)
 //   after the loop the ring holds the merge: sO [kNWarps][16][kHeadDim], sMax, sSum [kNWarps][16] (fp32)
-//   config.smem_bytes: (16 + 2 * kStages * block_n) * (head_dim + 8) * 2
+//   config.smem_bytes: 16 * (head_dim + 8) * 2 + 2 * kStages * block_n * ring_pitch * 2
 //
 // Variants: the mask (causal, window; the row of packed row r is r / group), the softcap, a paged cache
 // (kPaged); kSeqused always. ALiBi (a slope per head: per packed row) takes the prefill kernel.
@@ -31,40 +32,71 @@
 
 namespace cuflash {
 
+// The ring's rows: the head dim rounded up to 64 elements, so that every row starts on a 128-byte line.
+__host__ __device__ constexpr int decode_ring_pitch(int head_dim) { return (head_dim + 63) / 64 * 64; }
+
 // Stages of each warp's ring: 3 where a block fits in sm_80's shared memory, else 2 (config.decode_stages).
 __host__ __device__ constexpr int decode_stages(int head_dim, int block_n) {
-    return (16 + 2 * 3 * block_n) * (head_dim + 8) * 2 <= static_cast<int>(kSmemPortable) ? 3 : 2;
+    return 16 * (head_dim + 8) * 2 + 2 * 3 * block_n * decode_ring_pitch(head_dim) * 2 <=
+                   static_cast<int>(kSmemPortable)
+               ? 3
+               : 2;
 }
 
-// Key rows [key0, key0 + kRows) of one entry (KeyRows, seqinfo.cuh) into a shared tile (pitch kPitch), by the 32
-// lanes of one warp. A dense entry's rows are one run; a paged entry's come in runs of 16, one page lookup each
-// (page sizes are multiples of 16). Rows past seqlen_k, or on a page outside the pool, are zero-filled and read
-// nothing. A run of kRun whole rows (the loop's common case) skips cp_async_tile's per-chunk predicates.
+// Element offset of (row, col) in a ring tile (pitch kPitch, col a multiple of 8): 16-byte chunk c of row r sits
+// at chunk c ^ (r & 7). With rows on 128-byte lines, the 8 lanes of a cp.async quarter-warp fill one line (one L2
+// request of 4 sectors; rows padded by 16 bytes split the requests and read 1.5x the sectors: RESULTS (g)), and
+// the 8 rows of an ldmatrix matrix, one chunk column, sit in 8 distinct bank groups.
+template <int kPitch>
+__device__ __forceinline__ int ring_offset(int row, int col) {
+    static_assert(kPitch % 64 == 0, "128-byte rows");
+    return row * kPitch + (((col >> 3) ^ (row & 7)) << 3);
+}
+
+// Key rows [key0, key0 + kRows) of one entry (KeyRows, seqinfo.cuh) into a ring tile (pitch kPitch, ring_offset),
+// by the 32 lanes of one warp. A dense entry's rows are one run; a paged entry's come in runs of 16, one page
+// lookup each (page sizes are multiples of 16). Rows past seqlen_k, or on a page outside the pool, and columns
+// past cols_valid are zero-filled and read nothing. A run of kRun whole rows (the loop's common case) is copied
+// without per-chunk predicates.
 template <int kRows, int kCols, int kPitch, typename T, class Rows>
 __device__ __forceinline__ void cp_async_key_run(T* smem, const Rows& rows, int key0, int seqlen_k, int cols_valid,
                                                  int lane) {
     constexpr int kRun = Rows::kPaged ? 16 : kRows;
     static_assert(kRows % kRun == 0, "runs of 16 keys");
     using S = TileShape<kRun, kCols, 32>;
+    static_assert(kRun % S::kRowStep == 0, "whole steps of rows");
+    const int row_t = lane / S::kThreadsPerRow, col_t = (lane % S::kThreadsPerRow) * 8;
+    const unsigned base = smem_u32(smem);
 #pragma unroll
     for (int r = 0; r < kRows; r += kRun) {
         const int key = key0 + r;
         const T* src = rows.base;
         const bool any = key < seqlen_k && rows.row(key, src);
         const int valid = any ? seqlen_k - key : 0;
+        // Two loops: one with a select per chunk ran 1.45x the instructions (ncu, RESULTS (g))
         if (valid >= kRun && cols_valid == kCols) {
-            const int row_t = lane / S::kThreadsPerRow, col_t = (lane % S::kThreadsPerRow) * 8;
-            const unsigned dst = smem_u32(smem + (r + row_t) * kPitch + col_t);
-            const T* from = src + row_t * rows.row_stride + col_t;
 #pragma unroll
-            for (int j = 0; j < S::kRowIters; ++j)
+            for (int j = 0; j < S::kRowIters; ++j) {
+                const int row = row_t + j * S::kRowStep;
 #pragma unroll
-                for (int c = 0; c < S::kColIters; ++c)
-                    cp_async_16(dst + (j * S::kRowStep * kPitch + c * S::kThreadsPerRow * 8) * sizeof(T),
-                                from + j * S::kRowStep * rows.row_stride + c * S::kThreadsPerRow * 8, true);
+                for (int c = 0; c < S::kColIters; ++c) {
+                    const int col = col_t + c * S::kThreadsPerRow * 8;
+                    cp_async_16(base + ring_offset<kPitch>(r + row, col) * sizeof(T),
+                                src + row * rows.row_stride + col, true);
+                }
+            }
         } else {
-            cp_async_tile<kRun, kCols, kPitch, 32>(smem + r * kPitch, any ? src : rows.base, rows.row_stride, valid,
-                                                   cols_valid, lane);
+#pragma unroll
+            for (int j = 0; j < S::kRowIters; ++j) {
+                const int row = row_t + j * S::kRowStep;
+#pragma unroll
+                for (int c = 0; c < S::kColIters; ++c) {
+                    const int col = col_t + c * S::kThreadsPerRow * 8;
+                    const bool ok = row < valid && col < cols_valid;
+                    cp_async_16(base + ring_offset<kPitch>(r + row, col) * sizeof(T),
+                                ok ? src + row * rows.row_stride + col : rows.base, ok);
+                }
+            }
         }
     }
 }
@@ -77,14 +109,15 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_decode(const __grid_con
                   "KV-cache calls; ALiBi, dropout and varlen take flash_fwd");
     constexpr int kWarpKeys = kBlockN / kNWarps;  // keys of each key block one warp takes
     static_assert(kHeadDim % 32 == 0 && kWarpKeys % 16 == 0, "16-wide k-slices; 32 lanes over the head dim");
-    constexpr int kPitch = kHeadDim + 8;
+    constexpr int kPitch = kHeadDim + 8;                       // sQ's rows
+    constexpr int kRingPitch = decode_ring_pitch(kHeadDim);    // the K and V rows of the ring (ring_offset)
     constexpr int kStages = decode_stages(kHeadDim, kBlockN);
     constexpr int kNTilesS = kWarpKeys / 8;     // 8-key n-tiles of a warp's S
     constexpr int kNTilesO = kHeadDim / 8;      // 8-dim n-tiles of O
     constexpr int kKSlicesQK = kHeadDim / 16;   // k-slices of Q K^T (over head dim)
     constexpr int kKSlicesPV = kWarpKeys / 16;  // k-slices of P V (over keys)
     constexpr bool kQInRegs = kHeadDim <= 128;  // Q's A fragments: registers, or re-read from sQ
-    constexpr int kSlot = 2 * kWarpKeys * kPitch;  // elements of one stage of one warp: K, then V
+    constexpr int kSlot = 2 * kWarpKeys * kRingPitch;  // elements of one stage of one warp: K, then V
     constexpr unsigned kRingBytes = kNWarps * kStages * kSlot * sizeof(T);
     constexpr unsigned kSmemBytes = kBlockM * kPitch * sizeof(T) + kRingBytes;
     static_assert(kNWarps * kBlockM * (kHeadDim + 2) * sizeof(float) <= kRingBytes, "the merge fits in the ring");
@@ -142,8 +175,9 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_decode(const __grid_con
         // A slice past the keys loads zeros (P V then meets 0, never stale bits)
         const int key0 = (n_begin + i) * kBlockN + warp * kWarpKeys;
         T* sK = sRing + (i % kStages) * kSlot;
-        cp_async_key_run<kWarpKeys, kHeadDim, kPitch>(sK, k_rows, key0, seqlen_k, head_dim, lane);
-        cp_async_key_run<kWarpKeys, kHeadDim, kPitch>(sK + kWarpKeys * kPitch, v_rows, key0, seqlen_k, head_dim, lane);
+        cp_async_key_run<kWarpKeys, kHeadDim, kRingPitch>(sK, k_rows, key0, seqlen_k, head_dim, lane);
+        cp_async_key_run<kWarpKeys, kHeadDim, kRingPitch>(sK + kWarpKeys * kRingPitch, v_rows, key0, seqlen_k,
+                                                          head_dim, lane);
     };
 #pragma unroll
     for (int i = 0; i < kStages - 1; ++i) {
@@ -162,6 +196,11 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_decode(const __grid_con
     }
     // The query rows of this thread's two packed rows g and g + 8 (the mask's rows)
     const int q_row[2] = {(r0 + g) / group, (r0 + g + 8) / group};
+    // The ring rows and swizzled chunks this lane's ldmatrix addresses: K (B from [key][dim]) at chunk 2 ks + its
+    // chunk, V (B^T from [key][dim]) at chunk 2 np + its chunk; each row's chunks are XORed with row & 7 = lane & 7,
+    // and as bit 0 is the lane's own, (2 i + c) ^ (lane & 7) = 2 i ^ (c ^ (lane & 7)).
+    const int k_row = ldsm_b_row(lane), k_chunk = ldsm_b_chunk(lane) ^ (lane & 7);
+    const int v_row = ldsm_bt_row(lane), v_chunk = ldsm_bt_chunk(lane) ^ (lane & 7);
 
     float acc_o[1][kNTilesO][4];
 #pragma unroll
@@ -180,8 +219,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_decode(const __grid_con
         cp_async_commit();
         const int key0 = (n_begin + i) * kBlockN + warp * kWarpKeys;
         const T* sK = sRing + (i % kStages) * kSlot;
-        const unsigned k_addr = smem_u32(sK + ldsm_b_offset(lane, kPitch));
-        const unsigned v_addr = smem_u32(sK + kWarpKeys * kPitch + ldsm_bt_offset(lane, kPitch));
+        const unsigned k_addr = smem_u32(sK + k_row * kRingPitch);
+        const unsigned v_addr = smem_u32(sK + kWarpKeys * kRingPitch + v_row * kRingPitch);
 
         // [5] S = Q K^T
         float acc_s[1][kNTilesS][4];
@@ -201,7 +240,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_decode(const __grid_con
 #pragma unroll
             for (int np = 0; np < kNTilesS / 2; ++np) {
                 unsigned b[4];
-                ldmatrix_x4(b, k_addr + (np * 16 * kPitch + ks * 16) * sizeof(T));
+                ldmatrix_x4(b, k_addr + (np * 16 * kRingPitch + (((2 * ks) ^ k_chunk) << 3)) * sizeof(T));
                 mma_16816<T>(acc_s[0][2 * np], a, b[0], b[1]);
                 mma_16816<T>(acc_s[0][2 * np + 1], a, b[2], b[3]);
             }
@@ -238,7 +277,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_decode(const __grid_con
 #pragma unroll
             for (int np = 0; np < kHeadDim / 16; ++np) {
                 unsigned b[4];
-                ldmatrix_x4_trans(b, v_addr + (ks * 16 * kPitch + np * 16) * sizeof(T));
+                ldmatrix_x4_trans(b, v_addr + (ks * 16 * kRingPitch + (((2 * np) ^ v_chunk) << 3)) * sizeof(T));
                 mma_16816<T>(acc_o[0][2 * np], a, b[0], b[1]);
                 mma_16816<T>(acc_o[0][2 * np + 1], a, b[2], b[3]);
             }

@@ -71,18 +71,23 @@ __device__ __forceinline__ int ldsm_a_offset(int lane, int stride) {
 // matrices j = 0..3 are (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15), so the
 // result is {b0, b1} of n-tile 0 then {b0, b1} of n-tile 1 (non-transposed ldmatrix: lane l gets
 // tile[n = l>>2][k = 2*(l&3), +1] = B[k][n], which is b's layout).
-// Lane l addresses row n = (l & 7) + 8 * (l >> 4), column k = 8 * ((l >> 3) & 1).
+// Lane l addresses row n = (l & 7) + 8 * (l >> 4), column k = 8 * ((l >> 3) & 1) (ldsm_b_row, ldsm_b_chunk: that
+// row and that column's 8-element chunk, for tiles whose chunks are swizzled).
+__device__ __forceinline__ int ldsm_b_row(int lane) { return (lane & 7) + ((lane >> 4) << 3); }
+__device__ __forceinline__ int ldsm_b_chunk(int lane) { return (lane >> 3) & 1; }
 __device__ __forceinline__ int ldsm_b_offset(int lane, int stride) {
-    return ((lane & 7) + ((lane >> 4) << 3)) * stride + ((lane >> 3) & 1) * 8;
+    return ldsm_b_row(lane) * stride + ldsm_b_chunk(lane) * 8;
 }
 
 // B operand from a [k][n] tile (B[k][n] = tile[k][n], e.g. V in P V), with ldmatrix .trans, two
 // n-tiles of 8 and 16 k: matrices j = 0..3 are (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15),
 // (k 8-15, n 8-15), so the result is {b0, b1} of n-tile 0 then {b0, b1} of n-tile 1 (.trans: lane l
 // gets tile[k = 2*(l&3), +1][n = l>>2], which is b's layout).
-// Lane l addresses row k = (l & 7) + 8 * ((l >> 3) & 1), column n = 8 * (l >> 4).
+// Lane l addresses row k = (l & 7) + 8 * ((l >> 3) & 1), column n = 8 * (l >> 4) (ldsm_bt_row, ldsm_bt_chunk).
+__device__ __forceinline__ int ldsm_bt_row(int lane) { return (lane & 7) + (((lane >> 3) & 1) << 3); }
+__device__ __forceinline__ int ldsm_bt_chunk(int lane) { return lane >> 4; }
 __device__ __forceinline__ int ldsm_bt_offset(int lane, int stride) {
-    return ((lane & 7) + (((lane >> 3) & 1) << 3)) * stride + (lane >> 4) * 8;
+    return ldsm_bt_row(lane) * stride + ldsm_bt_chunk(lane) * 8;
 }
 
 // A operand from a [k][m] tile (A[m][k] = tile[k][m], e.g. dS from the dK/dV kernel's [key][query] dS^T),

@@ -281,7 +281,10 @@ def test_decode_choice():
     for d in config.HEAD_DIMS:
         cfg = config.choose_decode("float16", d, seq, packed_rows=1)[0]
         assert config.decode_stages(cfg) == (3 if d <= 192 else 2)
-        assert cfg.smem_bytes == (16 + 2 * config.decode_stages(cfg) * cfg.block_n) * (d + 8) * 2 <= config.SMEM_LIMIT[80]
+        ring_pitch = -(-d // 64) * 64  # K and V rows: 128-byte multiples (the swizzled ring)
+        assert config.decode_ring_pitch(d) == ring_pitch
+        assert cfg.smem_bytes == (16 * (d + 8) + 2 * config.decode_stages(cfg) * cfg.block_n * ring_pitch) * 2 \
+            <= config.SMEM_LIMIT[80]
 
 
 def _kernel_constants(filename: str, exprs: list[str]) -> list[int]:
@@ -303,13 +306,15 @@ def _kernel_constants(filename: str, exprs: list[str]) -> list[int]:
 
 
 def test_decode_stages_match_the_kernel():
-    """config.decode_stages (and so smem_bytes) is flash_decode.cu's decode_stages: a kernel launched with less
-    shared memory than its own layout traps."""
+    """config.decode_stages and decode_ring_pitch (and so smem_bytes) are flash_decode.cu's: a kernel launched
+    with less shared memory than its own layout traps."""
     tiles = [(d, bn) for d in config.HEAD_DIMS for bn in (64, 128)]
-    got = _kernel_constants("flash_decode.cu", [f"cuflash::decode_stages({d}, {bn})" for d, bn in tiles])
+    got = _kernel_constants("flash_decode.cu", [f"cuflash::decode_stages({d}, {bn})" for d, bn in tiles] +
+                            [f"cuflash::decode_ring_pitch({d})" for d in config.HEAD_DIMS])
     for (d, bn), stages in zip(tiles, got):
         cfg = config.KernelConfig("flash_decode", "float16", d, 16, bn, 4, config.SEQUSED)
         assert stages == config.decode_stages(cfg) in (2, 3), (d, bn)
+    assert got[len(tiles):] == [config.decode_ring_pitch(d) for d in config.HEAD_DIMS]
 
 
 @pytest.mark.parametrize("kernel,layout", [("flash_fwd_sm90", "Sm90FwdSmem<{d}, {bm}, {bn}>"),
