@@ -53,6 +53,25 @@ __device__ __forceinline__ int ring_offset(int row, int col) {
     return row * kPitch + (((col >> 3) ^ (row & 7)) << 3);
 }
 
+// One run of key rows (tile shape S) from src (row r of the run: src + r * row_stride) into ring rows r0, r0 + 1, ...
+// at base: rows below valid and columns below cols_valid are copied, the rest zero-filled from `zero`; kWhole: all
+// of them are (no predicates).
+template <bool kWhole, class S, int kPitch, typename T>
+__device__ __forceinline__ void ring_copy_run(unsigned base, const T* src, const T* zero, long long row_stride, int r0,
+                                              int valid, int cols_valid, int row_t, int col_t) {
+#pragma unroll
+    for (int j = 0; j < S::kRowIters; ++j) {
+        const int row = row_t + j * S::kRowStep;
+#pragma unroll
+        for (int c = 0; c < S::kColIters; ++c) {
+            const int col = col_t + c * S::kThreadsPerRow * 8;
+            const bool ok = kWhole || (row < valid && col < cols_valid);
+            cp_async_16(base + ring_offset<kPitch>(r0 + row, col) * sizeof(T), ok ? src + row * row_stride + col : zero,
+                        ok);
+        }
+    }
+}
+
 // Key rows [key0, key0 + kRows) of one entry (KeyRows, seqinfo.cuh) into a ring tile (pitch kPitch, ring_offset),
 // by the 32 lanes of one warp. A dense entry's rows are one run; a paged entry's come in runs of 16, one page
 // lookup each (page sizes are multiples of 16). Rows past seqlen_k, or on a page outside the pool, and columns
@@ -73,30 +92,12 @@ __device__ __forceinline__ void cp_async_key_run(T* smem, const Rows& rows, int 
         const T* src = rows.base;
         const bool any = key < seqlen_k && rows.row(key, src);
         const int valid = any ? seqlen_k - key : 0;
-        // Two loops: one with a select per chunk ran 1.45x the instructions (ncu, RESULTS (g))
+        // Whole runs and the rest in separate loops: one loop with a select per chunk ran 1.45x the instructions
+        // (ncu, RESULTS (g))
         if (valid >= kRun && cols_valid == kCols) {
-#pragma unroll
-            for (int j = 0; j < S::kRowIters; ++j) {
-                const int row = row_t + j * S::kRowStep;
-#pragma unroll
-                for (int c = 0; c < S::kColIters; ++c) {
-                    const int col = col_t + c * S::kThreadsPerRow * 8;
-                    cp_async_16(base + ring_offset<kPitch>(r + row, col) * sizeof(T),
-                                src + row * rows.row_stride + col, true);
-                }
-            }
+            ring_copy_run<true, S, kPitch>(base, src, rows.base, rows.row_stride, r, valid, cols_valid, row_t, col_t);
         } else {
-#pragma unroll
-            for (int j = 0; j < S::kRowIters; ++j) {
-                const int row = row_t + j * S::kRowStep;
-#pragma unroll
-                for (int c = 0; c < S::kColIters; ++c) {
-                    const int col = col_t + c * S::kThreadsPerRow * 8;
-                    const bool ok = row < valid && col < cols_valid;
-                    cp_async_16(base + ring_offset<kPitch>(r + row, col) * sizeof(T),
-                                ok ? src + row * rows.row_stride + col : rows.base, ok);
-                }
-            }
+            ring_copy_run<false, S, kPitch>(base, src, rows.base, rows.row_stride, r, valid, cols_valid, row_t, col_t);
         }
     }
 }
