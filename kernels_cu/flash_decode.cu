@@ -44,9 +44,9 @@ __host__ __device__ constexpr int decode_stages(int head_dim, int block_n) {
 }
 
 // Element offset of (row, col) in a ring tile (pitch kPitch, col a multiple of 8): 16-byte chunk c of row r sits
-// at chunk c ^ (r & 7). With rows on 128-byte lines, the 8 lanes of a cp.async quarter-warp fill one line (one L2
-// request of 4 sectors; rows padded by 16 bytes split the requests and read 1.5x the sectors: RESULTS (g)), and
-// the 8 rows of an ldmatrix matrix, one chunk column, sit in 8 distinct bank groups.
+// at chunk c ^ (r & 7). With rows on 128-byte lines, the 8 lanes of a cp.async quarter-warp fill one line (L2
+// requests of 4 sectors; with rows padded by 16 bytes the L2 saw 1.5x the sectors: RESULTS (g)), and the 8 rows
+// of an ldmatrix matrix, one chunk column, sit in 8 distinct bank groups.
 template <int kPitch>
 __device__ __forceinline__ int ring_offset(int row, int col) {
     static_assert(kPitch % 64 == 0, "128-byte rows");
