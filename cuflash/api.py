@@ -9,8 +9,8 @@ launches straight away. A miss takes the general path below: validate, import th
 backend, and, where the signature allows, leave a plan for the next call.
 
 Variants (window, softcap, alibi_slopes, dropout_p with seed and offset; the varlen functions) run on
-every backend. A forward or backward call with any variant argument not at its default never uses the plan
-cache; a KV-cache call does with a window or a softcap (by value), not with ALiBi.
+every backend. Plans serve calls with a window or a softcap (keyed by value), forward, backward and KV cache;
+calls with ALiBi or dropout arguments not at their defaults take the general path.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ import numpy as np
 from . import _checks, _interop, _mask, _philox, _plan
 from .config import ITEMSIZE, acc_dtype as lse_dtype, backward_workspace, ceil_div, numpy_dtype
 
-# The variants' defaults. The plan cache is looked up only when every variant argument *is* its default
-# object (one chain of identity tests); anything else, an explicit 0.0 included, takes the general path.
+# The variants' defaults. The forward's and backward's plan caches are looked up only when ALiBi and the dropout
+# arguments *are* their default objects (identity tests: an explicit dropout_p=0.0 takes the general path); the
+# window and the softcap go into the key.
 NO_WINDOW = _mask.NO_WINDOW
 _OFF = 0.0
 _ZERO = 0

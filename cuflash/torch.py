@@ -19,8 +19,8 @@ from torch import Tensor
 
 from . import _checks, api
 
-# A variant argument at its default is not passed on at all: cuflash's plan cache serves only calls
-# whose variant arguments are the API's own default objects (see api._plain).
+# A variant argument at its default is not passed on at all: cuflash's plan cache needs the dropout arguments
+# to be the API's own default objects (api._plannable_variants); a window and a softcap it keys by value.
 _NO_WINDOW = (-1, -1)
 
 
