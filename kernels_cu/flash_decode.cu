@@ -374,31 +374,47 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_decode(const __grid_con
     }
 }
 
-// Merge the num_splits partials of each (batch, head, query row) into o and lse: one warp per row, lane l
-// taking columns l, l + 32, ... The merge is the exact one of attention over disjoint key sets (merge_states).
+// Merge the num_splits partials of each (batch, head, query row) into o and lse: one warp per row. Lane l holds the
+// LSEs of splits l, l + 32, ... (all loaded at once), so the largest LSE and the weights' sum are warp reductions;
+// then lane l takes columns l, l + 32, ... of every split's O, each split's weight broadcast from the lane holding
+// it. The merge is the exact one of attention over disjoint key sets (merge_states). (A minimum of 1 block per SM
+// in the bounds: without one, ptxas held the sm_90 build to 32-40 registers and spilled.)
 template <typename T, int kHeadDim, int kNWarps>
-__global__ void __launch_bounds__(kNWarps * 32) flash_decode_combine(const __grid_constant__ DecodeParams dp) {
+__global__ void __launch_bounds__(kNWarps * 32, 1) flash_decode_combine(const __grid_constant__ DecodeParams dp) {
     static_assert(kHeadDim % 32 == 0, "32 lanes over the head dim");
     constexpr int kPerLane = kHeadDim / 32;
+    constexpr int kRounds = kMaxSplits / 32;  // splits a lane holds
     const FwdParams& p = dp.fwd;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const long long rows = static_cast<long long>(p.batch) * p.nheads * p.seqlen_q;  // one split's [batch, head, row]
     const long long idx = static_cast<long long>(blockIdx.x) * kNWarps + warp;
-    if (idx >= rows) return;
+    if (idx >= rows) return;  // the whole warp: the shuffles below see all 32 lanes
     const int row = static_cast<int>(idx % p.seqlen_q), head = static_cast<int>(idx / p.seqlen_q % p.nheads);
     const int batch = static_cast<int>(idx / (static_cast<long long>(p.seqlen_q) * p.nheads));
+    const int num_splits = dp.num_splits;
 
     // [11] Combine: the largest partial LSE, the splits' weights exp(lse_s - max) and their sum
     // A NaN partial makes the row NaN, as unsplit: the max keeps it (fmaxf would drop it), and every weight takes it.
-    float m = neg_inf<float>();
-    for (int s = 0; s < dp.num_splits; ++s) {
-        const float x = dp.lse_partial[s * rows + idx];
-        m = (x > m || x != x) ? x : m;
+    auto nan_max = [](float a, float b) { return (b > a || b != b) ? b : a; };
+    float x[kRounds];
+#pragma unroll
+    for (int r = 0; r < kRounds; ++r) {
+        const int s = 32 * r + lane;
+        x[r] = s < num_splits ? dp.lse_partial[s * rows + idx] : neg_inf<float>();
     }
+    float m = x[0];
+#pragma unroll
+    for (int r = 1; r < kRounds; ++r) m = nan_max(m, x[r]);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, offset));
     const bool empty = m == neg_inf<float>();
-    float l = 0.f;
-    if (!empty)
-        for (int s = 0; s < dp.num_splits; ++s) l += expf(dp.lse_partial[s * rows + idx] - m);
+    float w[kRounds], l = 0.f;
+#pragma unroll
+    for (int r = 0; r < kRounds; ++r) {
+        w[r] = empty ? 0.f : expf(x[r] - m);  // a split past num_splits: exp(-inf) = 0
+        l += w[r];
+    }
+    l = warp_allreduce_sum<32>(l);
 
     // [12] O = sum_s weight_s O_s / sum; LSE = max + log(sum); a row no split saw gives O = 0, LSE = -inf
     float acc[kPerLane];
@@ -406,12 +422,19 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_decode_combine(const __gri
     for (int e = 0; e < kPerLane; ++e) acc[e] = 0.f;
     if (!empty) {
         const float inv = 1.f / l;
-        for (int s = 0; s < dp.num_splits; ++s) {
-            const float w = expf(dp.lse_partial[s * rows + idx] - m) * inv;
-            const float* src = dp.o_partial + (s * rows + idx) * kHeadDim + lane;
+        const float* o_split = dp.o_partial + idx * kHeadDim + lane;  // split s: o_split[s * rows * kHeadDim]
 #pragma unroll
-            for (int e = 0; e < kPerLane; ++e)
-                if (lane + 32 * e < p.head_dim) acc[e] += w * src[32 * e];  // flash_decode writes these columns only
+        for (int r = 0; r < kRounds; ++r) {
+            const int n = min(32, num_splits - 32 * r);  // <= 0 past the last round
+            const float wr = w[r] * inv;
+#pragma unroll 8
+            for (int j = 0; j < n; ++j) {  // the loads of 8 splits in flight
+                const float wj = __shfl_sync(0xffffffffu, wr, j);
+                const float* src = o_split + (32 * r + j) * rows * kHeadDim;
+#pragma unroll
+                for (int e = 0; e < kPerLane; ++e)
+                    if (lane + 32 * e < p.head_dim) acc[e] += wj * src[32 * e];  // flash_decode writes these only
+            }
         }
     }
     T* o = static_cast<T*>(p.o) + batch * p.o_batch_stride + row * p.o_row_stride + head * p.o_head_stride;

@@ -91,8 +91,9 @@ struct DecodeParams {
     FwdParams fwd;
     float* o_partial;    // [split, batch, head, row, kHeadDim] (the compiled head dim), contiguous
     float* lse_partial;  // [split, batch, head, row]; -inf: that split saw no key of the row
-    int num_splits;      // 1: flash_decode writes o and lse itself (no partials, no combine)
+    int num_splits;      // 1: flash_decode writes o and lse itself (no partials, no combine); at most kMaxSplits
 };
+constexpr int kMaxSplits = 128;  // config.MAX_SPLITS (flash_decode_combine's lanes hold kMaxSplits / 32 LSEs each)
 
 // The append of new rows to a KV cache (kvcache_append.cu). k, v: the caches, as FwdParams' (dense [batch, row,
 // head, dim], or page pools [page, row, head, dim] through block_table); k_new, v_new [batch, row, head, dim]

@@ -315,6 +315,7 @@ def test_decode_stages_match_the_kernel():
         cfg = config.KernelConfig("flash_decode", "float16", d, 16, bn, 4, config.SEQUSED)
         assert stages == config.decode_stages(cfg) in (2, 3), (d, bn)
     assert got[len(tiles):] == [config.decode_ring_pitch(d) for d in config.HEAD_DIMS]
+    assert _kernel_constants("flash_decode.cu", ["cuflash::kMaxSplits"]) == [config.MAX_SPLITS]
 
 
 @pytest.mark.parametrize("kernel,layout", [("flash_fwd_sm90", "Sm90FwdSmem<{d}, {bm}, {bn}>"),

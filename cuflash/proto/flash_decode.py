@@ -59,7 +59,7 @@ import math
 
 from numba import cuda, int32
 
-from ..config import LOCAL, PAGED, SOFTCAP, decode_stages
+from ..config import LOCAL, MAX_SPLITS, PAGED, SOFTCAP, decode_stages
 from .flash_fwd import LOG2E, acc_type, load_keys
 from .mask import ceil_div, key_block_range, score_mod, score_mod_init, tile_needs_mask, visible
 from .seqinfo import seq_info, used_keys
@@ -333,59 +333,85 @@ def make_flash_decode(cfg, stages: int = 0):
 @functools.lru_cache(maxsize=None)
 def make_flash_decode_combine(cfg):
     """flash_decode_combine for one KernelConfig (cfg.head_dim: the partials' row length; cfg.warps rows per
-    block, one warp per (batch, head, query row))."""
+    block, one warp per (batch, head, query row)). The warp's reductions and broadcasts, shuffles in CUDA, go
+    through a row of shared memory per warp between block barriers (the simulator has neither shuffles nor
+    __syncwarp); so a warp past the rows does not return early but skips the work and keeps to the barriers."""
     HEAD_DIM = cfg.head_dim
     NWARPS = cfg.warps
     PER_LANE = HEAD_DIM // WARP_LANES  # kPerLane
+    ROUNDS = MAX_SPLITS // WARP_LANES  # kRounds
     if HEAD_DIM % WARP_LANES:
         raise ValueError("flash_decode_combine: 32 lanes over the head dim")
     ACC = acc_type(cfg.dtype)
 
     @cuda.jit
     def flash_decode_combine(o_partial, lse_partial, o, lse, num_splits):
+        red = cuda.shared.array((NWARPS, WARP_LANES), ACC)  # one row per warp: its shuffles
         warp = cuda.threadIdx.x // WARP_LANES
         lane = cuda.threadIdx.x % WARP_LANES
         nbatch, seqlen_q, nheads, head_dim = o.shape
         rows = nbatch * nheads * seqlen_q  # one split's [batch, head, row]
         idx = cuda.blockIdx.x * NWARPS + warp
-        if idx >= rows:
-            return
+        active = idx < rows
         row = idx % seqlen_q
         head = idx // seqlen_q % nheads
         batch = idx // (seqlen_q * nheads)
 
         # [11] Combine: the largest partial LSE, the splits' weights exp(lse_s - max) and their sum
         # A NaN partial makes the row NaN, as unsplit: the max keeps it, and every weight takes it.
-        m = ACC(-math.inf)
-        for s in range(num_splits):
-            x = lse_partial[s * rows + idx]
-            if x > m or x != x:
-                m = x
+        x = cuda.local.array(ROUNDS, ACC)
+        for r in range(ROUNDS):
+            s = WARP_LANES * r + lane
+            x[r] = lse_partial[s * rows + idx] if active and s < num_splits else -math.inf
+        m = x[0]
+        for r in range(1, ROUNDS):
+            if x[r] > m or x[r] != x[r]:
+                m = x[r]
+        red[warp, lane] = m  # the warp's max (__shfl_xor_sync)
+        cuda.syncthreads()
+        for i in range(WARP_LANES):
+            y = red[warp, i]
+            if y > m or y != y:
+                m = y
+        cuda.syncthreads()
         empty = m == -math.inf
+        w = cuda.local.array(ROUNDS, ACC)
         l = ACC(0)
-        if not empty:
-            for s in range(num_splits):
-                l += math.exp(lse_partial[s * rows + idx] - m)
+        for r in range(ROUNDS):
+            w[r] = 0 if empty else math.exp(x[r] - m)
+            l += w[r]
+        red[warp, lane] = l  # the warp's sum (warp_allreduce_sum)
+        cuda.syncthreads()
+        l = ACC(0)
+        for i in range(WARP_LANES):
+            l += red[warp, i]
+        cuda.syncthreads()
 
         # [12] O = sum_s weight_s O_s / sum; LSE = max + log(sum); a row no split saw gives O = 0, LSE = -inf
         acc = cuda.local.array(PER_LANE, ACC)
         for e in range(PER_LANE):
             acc[e] = 0
-        if not empty:
-            inv = ACC(1) / l
-            for s in range(num_splits):
-                w = math.exp(lse_partial[s * rows + idx] - m) * inv
-                base = (s * rows + idx) * HEAD_DIM + lane
-                for e in range(PER_LANE):
-                    if lane + WARP_LANES * e < head_dim:  # flash_decode writes these columns only
-                        acc[e] += w * o_partial[base + WARP_LANES * e]
-        for e in range(PER_LANE):
-            if lane + WARP_LANES * e < head_dim:
-                o[batch, row, head, lane + WARP_LANES * e] = acc[e]
-        if lane == 0:
-            if not empty:
-                lse[batch, head, row] = m + math.log(l)
-            else:
-                lse[batch, head, row] = -math.inf
+        inv = ACC(1) / l if not empty else ACC(0)
+        for r in range(ROUNDS):
+            n = min(WARP_LANES, num_splits - WARP_LANES * r)
+            red[warp, lane] = w[r] * inv  # split 32 r + j's weight, broadcast from lane j (__shfl_sync)
+            cuda.syncthreads()
+            if active and not empty:
+                for j in range(n):
+                    wj = red[warp, j]
+                    base = ((WARP_LANES * r + j) * rows + idx) * HEAD_DIM + lane
+                    for e in range(PER_LANE):
+                        if lane + WARP_LANES * e < head_dim:  # flash_decode writes these columns only
+                            acc[e] += wj * o_partial[base + WARP_LANES * e]
+            cuda.syncthreads()
+        if active:
+            for e in range(PER_LANE):
+                if lane + WARP_LANES * e < head_dim:
+                    o[batch, row, head, lane + WARP_LANES * e] = acc[e]
+            if lane == 0:
+                if not empty:
+                    lse[batch, head, row] = m + math.log(l)
+                else:
+                    lse[batch, head, row] = -math.inf
 
     return flash_decode_combine
