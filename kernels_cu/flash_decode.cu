@@ -59,6 +59,7 @@ __device__ __forceinline__ int ring_offset(int row, int col) {
 template <bool kWhole, class S, int kPitch, typename T>
 __device__ __forceinline__ void ring_copy_run(unsigned base, const T* src, const T* zero, long long row_stride, int r0,
                                               int valid, int cols_valid, int row_t, int col_t) {
+    const T* from = src + row_t * row_stride + col_t;  // then steps of kRowStep rows: no 64-bit multiply per row
 #pragma unroll
     for (int j = 0; j < S::kRowIters; ++j) {
         const int row = row_t + j * S::kRowStep;
@@ -66,8 +67,8 @@ __device__ __forceinline__ void ring_copy_run(unsigned base, const T* src, const
         for (int c = 0; c < S::kColIters; ++c) {
             const int col = col_t + c * S::kThreadsPerRow * 8;
             const bool ok = kWhole || (row < valid && col < cols_valid);
-            cp_async_16(base + ring_offset<kPitch>(r0 + row, col) * sizeof(T), ok ? src + row * row_stride + col : zero,
-                        ok);
+            const T* at = from + j * S::kRowStep * row_stride + c * S::kThreadsPerRow * 8;
+            cp_async_16(base + ring_offset<kPitch>(r0 + row, col) * sizeof(T), ok ? at : zero, ok);
         }
     }
 }
