@@ -1,6 +1,7 @@
 """flash_decode's time per split count, beside num_splits=0's choice: what the split heuristic
-(config.decode_splits) is judged by. The decode suite's dense shapes, bf16, one query row; device time as the
-suite measures it (timing.time_device: events around back-to-back calls behind a spin kernel, median).
+(config.decode_splits) is judged by. The decode suite's dense shapes, and the first one's page pools (pages of
+16, 64, 256 keys), bf16, one query row; device time as the suite measures it (timing.time_device: events around
+back-to-back calls behind a spin kernel, median).
 
     python3 bench/decode_splits.py OUT.json
 """
@@ -21,21 +22,24 @@ SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 
 def main(path):
     rows = []
-    for shape in decode.SHAPES:
-        cell = decode.Cell(*shape, "bfloat16")
+    cells = [(shape, page) for shape in decode.SHAPES for page in ((None, 16, 64, 256) if shape == decode.SHAPES[0]
+                                                                   else (None,))]
+    for shape, page in cells:
+        cell = decode.Cell(*shape, "bfloat16", page_size=page)
         data = decode.Data(cell, seed=0)
+        k, v, table = data.paged(page) if page else (data.k, data.v, None)
         chosen = decode.CuflashDecode.kernel_of(cell)["num_splits"]
-        row = {"shape": list(shape), "kv_bytes": cell.kv_bytes, "chosen": chosen, "ms": {}}
+        row = {"shape": list(shape), "page_size": page, "kv_bytes": cell.kv_bytes, "chosen": chosen, "ms": {}}
         for n in (0, *SPLITS):
-            fn = functools.partial(cuflash.flash_attn_with_kvcache, data.q, data.k, data.v, cache_seqlens=data.seqlens,
-                                   num_splits=n)
+            fn = functools.partial(cuflash.flash_attn_with_kvcache, data.q, k, v, cache_seqlens=data.seqlens,
+                                   block_table=table, num_splits=n)
             row["ms"][n] = time_device([fn], clock("cupy"), warmup=3, repeats=20, budget_s=1.0)["ms_median"]
         best = min(SPLITS, key=lambda n: row["ms"][n])
         row.update(best=best, chosen_over_best=row["ms"][0] / row["ms"][best],
                    tb_per_s={n: cell.kv_bytes / (ms * 1e-3) / 1e12 for n, ms in row["ms"].items()})
         print(json.dumps(row), flush=True)
         rows.append(row)
-        del data
+        del data, k, v, table
         cp.get_default_memory_pool().free_all_blocks()
     with open(path, "w") as f:
         json.dump({"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "sms": cuda._multiprocessors(),
