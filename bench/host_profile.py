@@ -1,18 +1,26 @@
 """Host time of cached calls, and where it goes: cProfile over repeated calls of a plan (CuPy, fp16, causal
 2x8x4096x128 forward and backward; a decoding step over 8 x 4096 cached keys with one new row and an int
 cache_seqlens, and without it from an int32 array). The median is of 200 calls with a sync between them.
+`pieces`: the backward plan's parts at the launch suite's shapes (bhsd views, as the suite), each timed alone
+over 60 calls behind a spin kernel (as the suite times whole calls), median µs.
 
     python3 bench/host_profile.py > OUT.txt       # on a GPU machine
+    python3 bench/host_profile.py pieces OUT.json
 """
 
 import cProfile
 import io
+import json
 import pstats
+import statistics
+import sys
 import time
 
 import cupy as cp
 
 import cuflash
+from cuflash import _params, _plan
+from cuflash.benchmark.timing import CupyClock
 
 
 def calls() -> dict:
@@ -58,5 +66,48 @@ def main() -> None:
         print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:3500])
 
 
+def median_us(f, n=60) -> float:
+    """f(i) for i < n back to back behind a spin kernel, perf_counter around each: the median in µs."""
+    f(0)
+    cp.cuda.runtime.deviceSynchronize()
+    CupyClock().spin(30.0)
+    xs = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        f(i)
+        xs.append((time.perf_counter() - t0) * 1e6)
+    cp.cuda.runtime.deviceSynchronize()
+    return round(statistics.median(xs), 1)
+
+
+def pieces(path) -> None:
+    out = {}
+    for b, h, n, d in ((1, 8, 128, 64), (2, 8, 4096, 128), (4, 16, 8192, 128)):  # the launch suite's
+        rs = cp.random.RandomState(0)
+        sets = []
+        for _ in range(2):
+            q, k, v, do = (rs.standard_normal((b, h, n, d), dtype=cp.float32).astype(cp.float16).transpose(0, 2, 1, 3)
+                           for _ in range(4))
+            sets.append((do, q, k, v, *cuflash.flash_attn_forward(q, k, v, causal=True)))
+        for s in sets:
+            cuflash.flash_attn_backward(*s, causal=True)  # the general path leaves the plan
+        plan = [p for p in _plan.BACKWARD.values() if p.shapes[0] == tuple(sets[0][1].shape)][-1]
+        L, stream, ptrs = plan.launches, plan.kind.stream(), [x.data.ptr for x in sets[0]]
+        row = {"call": median_us(lambda i: cuflash.flash_attn_backward(*sets[0], causal=True)),
+               "call_2_sets": median_us(lambda i: cuflash.flash_attn_backward(*sets[i % 2], causal=True)),
+               "plan": median_us(lambda i: plan(*sets[0])),
+               "alloc_dq_dk_dv": median_us(lambda i: [plan.kind.like(x) for x in sets[0][1:4]]),
+               "alloc_workspace": median_us(lambda i: plan.kind.same(sets[0][5], plan.workspace_shape)),
+               "run_3_launches": median_us(lambda i: L.run(stream)),
+               "patch_same": median_us(lambda i: L.patch(_params.FWD_POINTERS, *ptrs[1:])),
+               "patch_2_sets": median_us(lambda i: L.patch(_params.FWD_POINTERS,
+                                                           *[x.data.ptr for x in sets[i % 2][1:]])),
+               "kernels": [k[1:] for k in L.kernels]}  # (grid x, y, z, threads, shared memory)
+        out[f"{b}x{h}x{n}x{d}"] = row
+        print(f"{b}x{h}x{n}x{d}", json.dumps(row), flush=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
 if __name__ == "__main__":
-    main()
+    pieces(sys.argv[2]) if sys.argv[1:2] == ["pieces"] else main()
