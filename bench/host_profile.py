@@ -2,17 +2,17 @@
 2x8x4096x128 forward and backward; a decoding step over 8 x 4096 cached keys with one new row and an int
 cache_seqlens, and without it from an int32 array). The median is of 200 calls with a sync between them.
 `pieces`: the backward plan's parts at the launch suite's shapes (bhsd views, as the suite), each timed alone
-over 60 calls behind a spin kernel (as the suite times whole calls), median µs.
+over 60 calls behind a spin kernel (timing.time_host, as the suite times whole calls), median µs.
 
     python3 bench/host_profile.py > OUT.txt       # on a GPU machine
     python3 bench/host_profile.py pieces OUT.json
 """
 
 import cProfile
+import functools
 import io
 import json
 import pstats
-import statistics
 import sys
 import time
 
@@ -20,7 +20,7 @@ import cupy as cp
 
 import cuflash
 from cuflash import _params, _plan
-from cuflash.benchmark.timing import CupyClock
+from cuflash.benchmark.timing import CupyClock, time_host
 
 
 def calls() -> dict:
@@ -66,18 +66,10 @@ def main() -> None:
         print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:3500])
 
 
-def median_us(f, n=60) -> float:
-    """f(i) for i < n back to back behind a spin kernel, perf_counter around each: the median in µs."""
-    f(0)
-    cp.cuda.runtime.deviceSynchronize()
-    CupyClock().spin(30.0)
-    xs = []
-    for i in range(n):
-        t0 = time.perf_counter()
-        f(i)
-        xs.append((time.perf_counter() - t0) * 1e6)
-    cp.cuda.runtime.deviceSynchronize()
-    return round(statistics.median(xs), 1)
+def host_us(*calls) -> float:
+    """The median host µs of the calls, taken in turn, 60 in all (timing.time_host: behind a spin kernel, as the
+    launch suite times whole calls)."""
+    return round(time_host(calls, CupyClock(), warmup=1, runs=60)["host_ms_median"] * 1e3, 1)
 
 
 def pieces(path) -> None:
@@ -93,18 +85,18 @@ def pieces(path) -> None:
             cuflash.flash_attn_backward(*s, causal=True)  # the general path leaves the plan
         plan = [p for p in _plan.BACKWARD.values() if p.shapes[0] == tuple(sets[0][1].shape)][-1]
         L, stream, ptrs = plan.launches, plan.kind.stream(), [x.data.ptr for x in sets[0]]
-        row = {"call": median_us(lambda i: cuflash.flash_attn_backward(*sets[0], causal=True)),
-               "call_2_sets": median_us(lambda i: cuflash.flash_attn_backward(*sets[i % 2], causal=True)),
-               "plan": median_us(lambda i: plan(*sets[0])),
-               "alloc_dq_dk_dv": median_us(lambda i: [plan.kind.like(x) for x in sets[0][1:4]]),
-               "alloc_workspace": median_us(lambda i: plan.kind.same(sets[0][5], plan.workspace_shape))}
+        bwd = [functools.partial(cuflash.flash_attn_backward, *x, causal=True) for x in sets]
+        kind = plan.kind
+        row = {"call": host_us(bwd[0]), "call_2_sets": host_us(*bwd), "plan": host_us(lambda: plan(*sets[0])),
+               "alloc_dq_dk_dv": host_us(lambda: [kind.like(x) for x in sets[0][1:4]]),
+               "alloc_workspace": host_us(lambda: kind.same(sets[0][5], plan.workspace_shape))}
         # the launches alone write into gradients and a workspace held here (a plan call frees its own)
-        held = [plan.kind.like(x) for x in sets[0][1:4]] + [plan.kind.same(sets[0][5], plan.workspace_shape)]
+        held = [kind.like(x) for x in sets[0][1:4]] + [kind.same(sets[0][5], plan.workspace_shape)]
         L.patch(_params.BWD_POINTERS, ptrs[0], *(x.data.ptr for x in held))
-        row.update(run_3_launches=median_us(lambda i: L.run(stream)),
-                   patch_same=median_us(lambda i: L.patch(_params.FWD_POINTERS, *ptrs[1:])),
-                   patch_2_sets=median_us(lambda i: L.patch(_params.FWD_POINTERS,
-                                                            *[x.data.ptr for x in sets[i % 2][1:]])),
+        row.update(run_3_launches=host_us(lambda: L.run(stream)),
+                   patch_same=host_us(lambda: L.patch(_params.FWD_POINTERS, *ptrs[1:])),
+                   patch_2_sets=host_us(*(functools.partial(L.patch, _params.FWD_POINTERS, *(y.data.ptr for y in x[1:]))
+                                          for x in sets)),
                    kernels=[k[1:] for k in L.kernels])  # (grid x, y, z, threads, shared memory)
         out[f"{b}x{h}x{n}x{d}"] = row
         print(f"{b}x{h}x{n}x{d}", json.dumps(row), flush=True)
