@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _mask, _philox
-from .config import SEMAPHORE_ROWS, backward_workspace, ceil_div, compiled_head_dim, variant_bits
+from .config import BOUNDED_SOFTCAP, SEMAPHORE_ROWS, backward_workspace, ceil_div, compiled_head_dim, variant_bits
 
 _i64, _f64, _i32, _f32, _ptr = np.int64, np.float64, np.int32, np.float32, np.uint64
 
@@ -126,11 +126,13 @@ def _set_bhs(p, name: str, a) -> None:
 def variant(causal: bool, varlen=None, window=_mask.NO_WINDOW, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
             kvcache=None, deterministic=False, **_) -> int:
     """The kVariant bits a call needs (config.LOCAL, SOFTCAP, ALIBI, DROPOUT, VARLEN, WINDOW, SEQUSED, PAGED,
-    DETERMINISTIC): LOCAL alone for causal, LOCAL | WINDOW for any other window; kvcache: (seqused_k,
-    block_table or None); deterministic: the backward's dQ adds in key-block order."""
+    DETERMINISTIC, BOUNDED): LOCAL alone for causal, LOCAL | WINDOW for any other window; kvcache: (seqused_k,
+    block_table or None); deterministic: the backward's dQ adds in key-block order; BOUNDED for a softcap of at
+    most config.BOUNDED_SOFTCAP without ALiBi (choose_forward keeps it where a kernel takes it)."""
     left, right = _mask.effective_window(causal, window)
     return variant_bits(local=not _mask.is_plain(left, right), window=(left, right) not in ((-1, -1), (-1, 0)),
                         softcap=bool(softcap), alibi=alibi_slopes is not None, dropout=bool(dropout_p),
+                        bounded=0 < softcap <= BOUNDED_SOFTCAP and alibi_slopes is None,
                         varlen=varlen is not None, seqused=kvcache is not None,
                         paged=kvcache is not None and kvcache[1] is not None, deterministic=deterministic)
 

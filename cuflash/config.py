@@ -80,11 +80,19 @@ DETERMINISTIC = 256  # backward: the adds into each dQ tile in key-block order (
 # flash_bwd_sm90 on a small grid: each key block's query blocks split between the two blocks of a cluster
 # (choose_backward sets it; not with DETERMINISTIC)
 QUERY_SPLIT = 512
-FORWARD_ONLY = SEQUSED | PAGED  # the KV-cache entry point has no backward: choose_backward drops them
+# With SOFTCAP and without ALIBI, a softcap of at most BOUNDED_SOFTCAP: every logit lies in [-softcap, softcap],
+# so the online softmax (kernels_cu/softmax.cuh) subtracts no running max: P = e^logit stays within e^+-50,
+# inside fp32's and bf16's range (not fp16's: 65504 is e^11). choose_forward keeps it for bf16 on flash_fwd alone
+# (softcap forward -18 % on the H200; flash_fwd_sm90 ran 1-2 % slower with it: bench/RESULTS.md, 2026-12-03 (b));
+# the other kernels drop it.
+BOUNDED = 1024
+BOUNDED_SOFTCAP = 50.0
+# the KV-cache entry point has no backward, and the backward reads the LSE: choose_backward drops them
+FORWARD_ONLY = SEQUSED | PAGED | BOUNDED
 BACKWARD_ONLY = DETERMINISTIC | QUERY_SPLIT  # choose_forward drops them
 VARIANT_NAMES = {LOCAL: "local", SOFTCAP: "softcap", ALIBI: "alibi", DROPOUT: "dropout", VARLEN: "varlen",
                  WINDOW: "window", SEQUSED: "seqused", PAGED: "paged", DETERMINISTIC: "deterministic",
-                 QUERY_SPLIT: "query_split"}
+                 QUERY_SPLIT: "query_split", BOUNDED: "bounded"}
 ALL_VARIANTS = LOCAL | SOFTCAP | ALIBI | DROPOUT | VARLEN | WINDOW | DETERMINISTIC
 
 
@@ -95,11 +103,15 @@ def longest_first(variant: int) -> bool:
 
 
 def variant_bits(*, local=False, softcap=False, alibi=False, dropout=False, varlen=False, window=False,
-                 seqused=False, paged=False, deterministic=False) -> int:
+                 seqused=False, paged=False, deterministic=False, bounded=False) -> int:
     """kVariant of a call; window: its mask is a sliding window, not causal alone (implies local);
-    paged implies seqused (a paged cache always has per-entry key counts)."""
-    bits = ((LOCAL, local or window), (SOFTCAP, softcap), (ALIBI, alibi), (DROPOUT, dropout), (VARLEN, varlen),
-            (WINDOW, window), (SEQUSED, seqused or paged), (PAGED, paged), (DETERMINISTIC, deterministic))
+    paged implies seqused (a paged cache always has per-entry key counts); bounded: a softcap of at most
+    BOUNDED_SOFTCAP without ALiBi (implies softcap)."""
+    if bounded and alibi:
+        raise ValueError("BOUNDED: ALiBi's bias has no lower bound")
+    bits = ((LOCAL, local or window), (SOFTCAP, softcap or bounded), (ALIBI, alibi), (DROPOUT, dropout),
+            (VARLEN, varlen), (WINDOW, window), (SEQUSED, seqused or paged), (PAGED, paged),
+            (DETERMINISTIC, deterministic), (BOUNDED, bounded))
     return sum(bit for bit, on in bits if on)
 
 
@@ -333,11 +345,14 @@ def choose_forward(dtype, head_dim: int, variant: int, *, seqlen_k: int = 0, com
     dt = dtype_name(dtype)
     variant &= ~BACKWARD_ONLY
     if dt not in TENSOR_CORE_DTYPES:
-        return _make("flash_fwd_simt", dt, head_dim, variant)
+        return _make("flash_fwd_simt", dt, head_dim, variant & ~BOUNDED)
     hopper = compute_capability == 90
     if family == "sm90" and not hopper:
         raise ValueError("the sm90 kernel family cannot serve this call: it needs compute capability 9.0")
-    cfg = _make("flash_fwd_sm90" if hopper and family != "mma" else "flash_fwd", dt, head_dim, variant)
+    kernel = "flash_fwd_sm90" if hopper and family != "mma" else "flash_fwd"
+    if dt != "bfloat16" or kernel != "flash_fwd":
+        variant &= ~BOUNDED
+    cfg = _make(kernel, dt, head_dim, variant)
     wide = _TILES_WIDE_KEYS.get(cfg.kernel, {}).get(cfg.head_dim)
     if wide and seqlen_k >= WIDE_KEYS_MIN and not variant & (HEAVY | LOCAL | WINDOW | FORWARD_ONLY):
         cfg = dataclasses.replace(cfg, block_m=wide[0], block_n=wide[1], warps=wide[2])
@@ -447,7 +462,7 @@ def choose_decode(dtype, head_dim: int, variant: int, *, packed_rows: int, num_s
     if (dt not in TENSOR_CORE_DTYPES or variant & DECODE_UNSERVED or family == "sm90"
             or (packed_rows > DECODE_MAX_ROWS and num_splits <= 1)):
         return None
-    main = _make("flash_decode", dt, head_dim, variant | SEQUSED)
+    main = _make("flash_decode", dt, head_dim, (variant | SEQUSED) & ~BOUNDED)
     if smem_limit is not None and main.smem_bytes > smem_limit:
         return None
     return main, KernelConfig("flash_decode_combine", dt, main.head_dim, 0, 0, 4, 0)
@@ -552,12 +567,15 @@ KVCACHE_VARIANTS = LOCAL | WINDOW | SOFTCAP | ALIBI | SEQUSED | PAGED
 GATED_FORWARD_VARIANTS = (SEQUSED | PAGED, KVCACHE_VARIANTS & ~PAGED, KVCACHE_VARIANTS)
 # flash_decode: a dense and a paged cache alone, and every variant it serves, dense and paged.
 GATED_DECODE_VARIANTS = (SEQUSED, SEQUSED | PAGED, KVCACHE_VARIANTS & ~(ALIBI | PAGED), KVCACHE_VARIANTS & ~ALIBI)
+# flash_fwd bf16 with BOUNDED: every variant it combines with, and the KV cache's.
+GATED_BOUNDED_VARIANTS = (ALL_VARIANTS & ~ALIBI | BOUNDED, KVCACHE_VARIANTS & ~ALIBI | BOUNDED)
 
 
 def all_configs() -> list[KernelConfig]:
     """The configs the compile gate checks and `cuflash compile` builds: kvcache_append for every dtype, then
     (GATED_VARIANTS, with the backward's
-    small-grid tiles, and GATED_FORWARD_VARIANTS for the forward, GATED_DECODE_VARIANTS for flash_decode (with
+    small-grid tiles, and GATED_FORWARD_VARIANTS for the forward (bf16: GATED_BOUNDED_VARIANTS too),
+    GATED_DECODE_VARIANTS for flash_decode (with
     its combine); the Hopper kernels' for GATED_VARIANTS, ALL_VARIANTS less what they do not serve (the
     backward: dense, and varlen without ALiBi or without dropout), and the backward's QUERY_SPLIT plain, causal
     and with those but DETERMINISTIC)."""
@@ -568,7 +586,8 @@ def all_configs() -> list[KernelConfig]:
                 cfgs = [choose_forward(dt, d, variant), *choose_backward(dt, d, variant),
                         choose_backward(dt, d, variant, key_slabs=1, seqlen_k=1, sms=1 << 20)[1]]  # small grids
                 out.extend(c for c in cfgs if c not in out)
-            out.extend(c for c in (choose_forward(dt, d, v) for v in GATED_FORWARD_VARIANTS) if c not in out)
+            bounded = GATED_BOUNDED_VARIANTS if dt == "bfloat16" else ()
+            out.extend(c for c in (choose_forward(dt, d, v) for v in GATED_FORWARD_VARIANTS + bounded) if c not in out)
             decode = [choose_decode(dt, d, v, packed_rows=1) for v in GATED_DECODE_VARIANTS]
             out.extend(c for pair in decode if pair for c in pair if c not in out)
             hopper = [choose_forward(dt, d, v, compute_capability=90)

@@ -43,6 +43,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const __grid_constant_
     constexpr bool kQInRegs = kMTiles * kHeadDim <= 128;
     constexpr unsigned kSmemBytes = (kBlockM + 2 * kBlockN) * kPitch * sizeof(T);
     using Mod = ScoreMod<float, kVariant, kTanhApprox>;
+    static_assert(!Mod::kIsBounded || kIsBf16<T>, "kBounded: P up to e^50 needs bf16's range");
 
     unsigned dyn_smem;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
@@ -110,7 +111,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const __grid_constant_
         for (int no = 0; no < kNTilesO; ++no)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[mi][no][e] = 0.f;
-    OnlineSoftmax<kMTiles> softmax;
+    OnlineSoftmax<kMTiles, Mod::kIsBounded> softmax;
     softmax.init();
     const float scale_log2 = mod.score_log2(p);
 

@@ -72,6 +72,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_sm90(const __grid_c
     constexpr int kNTilesO = kHeadDim / 8;  // 8-dim column groups of O
     constexpr unsigned kSlabQ = kBlockM * 128, kSlabKV = kBlockN * 128;  // bytes of one 64-column slab
     using Mod = ScoreMod<float, kVariant, kTanhApprox>;
+    static_assert(!Mod::kIsBounded, "kBounded: measured no faster here (config.choose_forward drops it)");
     const FwdParams& p = params.fwd;
     // Registers per thread after setmaxnreg: the producer keeps few, the consumers share the rest (64K per SM)
     constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32, kConsumerRegs = kConsumers == 2 ? 240 : 160;

@@ -8,6 +8,9 @@
 //   that no row of a query block sees are skipped (Mask::n_block_range), not masked. kLocal alone is
 //   causal, its bounds compiled in; kLocal | kWindow reads both bounds from the params.
 // - kSoftcap: the logit s = softmax_scale * q.k becomes softcap * tanh(s / softcap).
+// - kBounded, with kSoftcap and without kAlibi, bf16 and a softcap of at most 50 (config.BOUNDED_SOFTCAP;
+//   flash_fwd alone): every logit lies in [-softcap, softcap], so the online softmax subtracts no running
+//   max (softmax.cuh). bf16 only: fp16's P would overflow above e^11.
 // - kAlibi: -slope * |i' - j| is added to the logit (after the softcap).
 // - kDropout: dropout.cuh.
 // - kVarlen: each batch entry's rows and lengths come from cu_seqlens (seqinfo.cuh).
@@ -34,6 +37,12 @@ constexpr int kSeqused = 64;  // KV cache: key counts from seqused_k (seqinfo.cu
 constexpr int kPaged = 128;   // KV cache in pages: key rows through block_table (seqinfo.cuh KeyRows)
 constexpr int kDeterministic = 256;  // backward: dQ tiles summed in key-block order (flash_bwd.cu)
 constexpr int kQuerySplit = 512;  // flash_bwd_sm90: a key block's query blocks split over a cluster of two
+constexpr int kBounded = 1024;    // with kSoftcap: the logits' bound replaces the softmax's running max
+
+template <typename T>
+constexpr bool kIsBf16 = false;
+template <>
+constexpr bool kIsBf16<__nv_bfloat16> = true;
 
 // A window bound of -1 (unbounded) as the params hold it (cuflash/_params.py writes it): far enough
 // that no row + shift + bound overflows.
@@ -144,6 +153,9 @@ template <typename A, int kVariant, TanhKind kTanh>
 struct ScoreMod {
     static constexpr bool kIsSoftcap = (kVariant & kSoftcap) != 0;
     static constexpr bool kTransform = (kVariant & (kSoftcap | kAlibi)) != 0;
+    static constexpr bool kIsBounded = (kVariant & kBounded) != 0;  // OnlineSoftmax's kBounded
+    static_assert(!kIsBounded || (kVariant & (kSoftcap | kAlibi)) == kSoftcap,
+                  "kBounded: a softcap without ALiBi (whose bias has no lower bound) bounds the logit");
     A unit;         // logit per held unit: softcap, or softmax_scale
     A tanh_in;      // q.k -> tanh's argument scale / softcap, times 2 log2(e) for kTanhExp2
     A bias;         // ALiBi slope per held unit: slope / unit

@@ -7,12 +7,17 @@
 //
 // row_max is the running max of the raw scores S (unscaled); row_sum is this thread's partial sum of
 // P over its own columns, rescaled whenever row_max moves, and reduced over the quad once at finalize.
+//
+// kBounded (mask.cuh kBounded: a softcap of at most config.BOUNDED_SOFTCAP = 50 bounds every logit): row_max
+// stays 0. P = e^logit then lies in [e^-softcap, e^softcap], inside fp32's and bf16's range, so no row max, no
+// shuffles and no rescale of acc_o are needed: a score's softmax is a multiply, the exp2 and an add, which
+// pays for the two instructions the softcap's tanh adds.
 #pragma once
 #include "common.cuh"
 
 namespace cuflash {
 
-template <int kMTiles>
+template <int kMTiles, bool kBounded = false>
 struct OnlineSoftmax {
     static constexpr int kRows = 2 * kMTiles;
     float row_max[kRows];
@@ -20,9 +25,10 @@ struct OnlineSoftmax {
 
     __device__ __forceinline__ void init() {
         // [1] Start every row with row_max = -inf and row_sum = 0
+        // (kBounded: 0, for good)
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
-            row_max[r] = neg_inf<float>();
+            row_max[r] = kBounded ? 0.f : neg_inf<float>();
             row_sum[r] = 0.f;
         }
     }
@@ -49,6 +55,21 @@ struct OnlineSoftmax {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int r = 2 * mi + h;
+                if constexpr (kBounded) {  // step 5 alone: P = exp2(S * scale_log2), no offset, nothing to rescale
+                    correction[r] = 1.f;
+                    float sum = row_sum[r];
+#pragma unroll
+                    for (int ni = 0; ni < kNTiles; ++ni) {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const float pv = exp2f(acc_s[mi][ni][2 * h + e] * scale_log2);
+                            acc_s[mi][ni][2 * h + e] = pv;
+                            sum += pv;
+                        }
+                    }
+                    row_sum[r] = sum;
+                    continue;
+                }
                 // [2] Row max of the key block, reduced over the row's threads: m = max(row_max, max_j S)
                 float m = row_max[r];
 #pragma unroll
@@ -79,6 +100,7 @@ struct OnlineSoftmax {
 
     template <int kNTilesO>
     __device__ __forceinline__ void rescale(float (&acc_o)[kMTiles][kNTilesO][4], const float (&correction)[kRows]) {
+        if constexpr (kBounded) return;
 #pragma unroll
         for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll

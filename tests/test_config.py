@@ -18,6 +18,23 @@ def test_template_name():
     assert config.choose_forward("float32", 64, False).template_name.startswith("cuflash::flash_fwd_simt<float, 64, ")
 
 
+def test_bounded_softcap_is_kept_by_the_bf16_mma_forward_alone():
+    """BOUNDED (no running max in the softmax) reaches the bf16 mma.sync forward alone (forced on a Hopper GPU
+    too); the Hopper forward (no faster with it), fp16 (P would overflow), SIMT, the decode kernel and the
+    backward drop it."""
+    v = config.variant_bits(softcap=True, bounded=True)
+    assert v == config.SOFTCAP | config.BOUNDED
+    assert config.choose_forward("bfloat16", 128, v).template_name.endswith(f", {v}>")
+    assert config.choose_forward("bfloat16", 128, v, compute_capability=90, family="mma").variant == v
+    assert config.choose_forward("bfloat16", 128, v, compute_capability=90).variant == config.SOFTCAP
+    for dt in ("float16", "float32", "float64"):
+        assert config.choose_forward(dt, 128, v).variant == config.SOFTCAP
+    assert all(c.variant & config.BOUNDED == 0 for c in config.choose_backward("bfloat16", 128, v, compute_capability=90))
+    assert all(c.variant & config.BOUNDED == 0 for c in config.choose_decode("bfloat16", 128, v, packed_rows=1))
+    with pytest.raises(ValueError, match="ALiBi"):
+        config.variant_bits(softcap=True, alibi=True, bounded=True)
+
+
 @pytest.mark.parametrize("d,expected", [(8, 32), (32, 32), (40, 64), (80, 96), (128, 128), (136, 160), (256, 256)])
 def test_head_dim_rounds_up(d, expected):
     assert config.choose_forward("float16", d, False).head_dim == expected

@@ -36,6 +36,11 @@ CASES = [
     ("softcap-saturated", "bfloat16", 2, 256, 320, 4, 2, 128, dict(softcap=0.3)),
     ("softcap-curved", "bfloat16", 2, 256, 320, 4, 2, 128, dict(softcap=30.0, softmax_scale=1.0)),
     ("softcap-curved-fp16", "float16", 2, 200, 260, 4, 4, 64, dict(softcap=30.0, softmax_scale=1.0)),
+    # bf16 softcaps up to 50 without ALiBi take BOUNDED on flash_fwd (no running max; test_variant_bounded_mma):
+    # with dropout, a window and varlen
+    ("softcap-dropout-window", "bfloat16", 2, 300, 300, 4, 2, 64,
+     dict(softcap=20.0, dropout_p=0.1, seed=3, causal=True, window=(64, 0))),
+    ("softcap-varlen", "bfloat16", 3, 256, 256, 4, 2, 128, dict(softcap=10.0, causal=True, varlen=True)),
     ("alibi-h-causal", "bfloat16", 2, 192, 192, 4, 2, 64, dict(alibi_slopes="h", causal=True)),
     ("alibi-bh", "float32", 2, 130, 170, 4, 4, 96, dict(alibi_slopes="bh")),
     ("dropout", "bfloat16", 2, 256, 300, 4, 2, 128, dict(dropout_p=0.17, seed=2**40 + 7, offset=3)),
@@ -201,6 +206,59 @@ def test_variant(gpu, name, dtype, b, sq, sk, h, hk, d, kw):
     got = _run(gpu, dtype, q, k, v, do, kw, packed)
     r64, sp = _references(gpu, dtype, q, k, v, do, kw, packed)
     _check(gpu, ctx, dtype, got, r64, sp)
+
+
+# The cases that take BOUNDED (bf16, a softcap of at most 50, no ALiBi) where flash_fwd runs: forced on a
+# Hopper GPU, whose own forward keeps the running max.
+BOUNDED_CASES = [c for c in CASES if c[1] == "bfloat16" and 0 < c[8].get("softcap", 0) <= 50
+                 and "alibi_slopes" not in c[8]]
+
+
+@pytest.mark.parametrize("name,dtype,b,sq,sk,h,hk,d,kw",
+                         [pytest.param(*c, id=f"{c[0]}-{c[1]}-d{c[7]}") for c in BOUNDED_CASES])
+def test_variant_bounded_mma(gpu, name, dtype, b, sq, sk, h, hk, d, kw):
+    from cuflash import config
+
+    ctx = f"mma {name} {dtype} b={b} sq={sq} sk={sk} h={h} hk={hk} d={d} {kw}"
+    q, k, v, do, kw, packed = _case_inputs(gpu, ctx, dtype, b, sq, sk, h, hk, d, kw)
+    with config.kernel_family("mma"):
+        got = _run(gpu, dtype, q, k, v, do, kw, packed)
+    r64, sp = _references(gpu, dtype, q, k, v, do, kw, packed)
+    _check(gpu, ctx, dtype, got, r64, sp)
+
+
+@pytest.mark.parametrize("family", [None, "mma"])
+@pytest.mark.parametrize("softcap", [50.0, 50.5])
+def test_bounded_softcap_at_the_ends_of_its_range(gpu, family, softcap):
+    """BOUNDED (bf16 on the mma.sync forward, a softcap of at most 50): no running max, P = e^logit. Rows whose
+    every logit sits at -softcap (every P about e^-50, the bottom of the range), rows at +softcap (e^50, the
+    top) and ordinary rows, at the bound and just above it (the running max), on mma.sync and the default
+    family (the Hopper kernel, always the running max, on the H200)."""
+    cp = gpu.cp
+    from cuflash import _params, config
+    from cuflash.backends.cuda import compute_capability
+
+    b, sq, sk, h, hk, d = 2, 200, 333, 4, 2, 128
+    kw = dict(softcap=softcap, softmax_scale=1.0)
+    cfg = config.choose_forward("bfloat16", d, _params.variant(False, **kw), compute_capability=compute_capability(),
+                                family=family)
+    assert bool(cfg.variant & config.BOUNDED) == (softcap <= config.BOUNDED_SOFTCAP and cfg.kernel == "flash_fwd")
+    ctx = f"bounded softcap={softcap} family={family}"
+    rs = gpu.rng(ctx)
+    q, k, v, do = (gpu.randn(rs, s, "float32") for s in ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d), (b, sq, h, d)))
+    # along a shared unit direction u: k's component 16, q's -16, +16 or 0 by row; q.k = +-256 + noise,
+    # saturating tanh(q.k / softcap) to within 1e-3 of +-1
+    u = cp.full(d, 1 / math.sqrt(d), dtype=cp.float32)
+    side = cp.asarray(np.resize([-1.0, 1.0, 0.0], sq), dtype=cp.float32)[None, :, None, None]
+    q = 0.1 * q + 16 * side * u
+    k = k + 16 * u
+    q, k, v, do = (x.astype(gpu.np_dtype("bfloat16")) for x in (q, k, v, do))
+    with config.kernel_family(family):
+        got = _run(gpu, "bfloat16", q, k, v, do, kw, None)
+    r64, sp = _references(gpu, "bfloat16", q, k, v, do, kw, None)
+    lse = r64[1]
+    assert float(cp.max(lse[:, :, 0::3])) < -softcap + 6 and float(cp.min(lse[:, :, 1::3])) > softcap  # the ends
+    _check(gpu, ctx, "bfloat16", got, r64, sp)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])

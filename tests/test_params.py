@@ -124,7 +124,13 @@ def test_variant_fields_are_packed():
     assert int(plain["alibi_slopes"]) == 0 and int(plain["cu_seqlens_q"]) == 0
     assert _params.variant(True) == config.LOCAL and _params.variant(False) == 0
     assert _params.variant(True, None, window=(-1, 4)) == config.LOCAL  # causal folds it to (-1, 0)
-    assert _params.variant(False, None, window=(-1, 4), softcap=1.0) == config.LOCAL | config.WINDOW | config.SOFTCAP
+    assert _params.variant(False, None, window=(-1, 4), softcap=1.0) == (config.LOCAL | config.WINDOW | config.SOFTCAP
+                                                                          | config.BOUNDED)
+    # BOUNDED: a softcap of at most BOUNDED_SOFTCAP without ALiBi
+    cap = config.BOUNDED_SOFTCAP
+    assert _params.variant(False, softcap=cap) == config.SOFTCAP | config.BOUNDED
+    assert _params.variant(False, softcap=cap * 1.01) == config.SOFTCAP
+    assert _params.variant(False, softcap=2.0, alibi_slopes=np.ones(2)) == config.SOFTCAP | config.ALIBI
     assert _params.variant(False, ("cu",), dropout_p=0.1) == config.DROPOUT | config.VARLEN
 
 

@@ -54,6 +54,8 @@ VARIANT_CASES = {
     "window_left_right_sq_gt_sk": (1, 33, 20, 2, 2, 8, False, "float64", (8, 16, 16, 1), {"window": (3, 4)}, None),
     "window_right_only_2warps": (1, 24, 30, 1, 1, 8, False, "float32", (8, 16, 16, 2), {"window": (-1, 2)}, None),
     "softcap_gqa": (1, 20, 27, 2, 1, 8, False, "float32", (8, 16, 16, 1), {"softcap": 2.0}, None),
+    # above config.BOUNDED_SOFTCAP: the running max (softcap_gqa's 2.0 takes BOUNDED, no max)
+    "softcap_above_bound": (1, 20, 27, 2, 2, 8, True, "float64", (8, 16, 16, 1), {"softcap": 60.0}, None),
     "alibi_heads_causal": (1, 20, 25, 2, 2, 8, True, "float64", (8, 16, 16, 1), {"alibi": (2,)}, None),
     "alibi_batch_heads_gqa": (2, 18, 23, 2, 1, 8, False, "float32", (8, 16, 16, 1), {"alibi": (2, 2)}, None),
     "dropout_gqa_batch2": (2, 20, 25, 2, 1, 8, False, "float32", (8, 16, 16, 1),

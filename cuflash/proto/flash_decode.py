@@ -211,7 +211,7 @@ def make_flash_decode(cfg, stages: int = 0):
         for h in range(2):
             for j in range(O_CPT):
                 acc_o[h, j] = 0
-        softmax_init(row_max, row_sum)
+        softmax_init(row_max, row_sum, False)
 
         for i in range(n_count):
             # [4] Wait for this warp's slice of the key block; refill the stage freed by the previous one
@@ -257,7 +257,7 @@ def make_flash_decode(cfg, stages: int = 0):
                             acc_s[h, j] = -math.inf
 
             # [7] Online softmax: update row_max, rescale acc_o and row_sum, P = exp2(S * scale_log2 - row_max * scale_log2)
-            softmax_update(acc_s, acc_o, row_max, row_sum, tile_max, red, g, 8, t, QUAD, score_log2)
+            softmax_update(acc_s, acc_o, row_max, row_sum, tile_max, red, g, 8, t, QUAD, score_log2, False)
 
             # [8] O += P V
             # (P through this warp's sP: CUDA passes it in registers as the A operand, rounded to 16 bits)

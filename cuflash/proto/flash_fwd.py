@@ -51,7 +51,7 @@ import math
 
 from numba import cuda, uint64
 
-from ..config import ALIBI, DROPOUT, LOCAL, PAGED, SEQUSED, SOFTCAP, VARLEN, longest_first
+from ..config import ALIBI, BOUNDED, DROPOUT, LOCAL, PAGED, SEQUSED, SOFTCAP, VARLEN, longest_first
 from .dropout import keep
 from .mask import n_block_range, needs_mask, score_mod, score_mod_init, visible
 from .seqinfo import batch_index, key_row, seq_info, used_keys
@@ -145,6 +145,7 @@ def make_flash_fwd(cfg):
     BLOCK_N = cfg.block_n
     NTHREADS = cfg.threads
     IS_LOCAL, IS_SOFTCAP, IS_ALIBI, IS_DROPOUT, IS_VARLEN, TRANSFORM = variant_flags(cfg)
+    IS_BOUNDED = bool(cfg.variant & BOUNDED)  # softmax.cuh kBounded: row_max stays 0
     IS_SEQUSED, IS_PAGED = bool(cfg.variant & SEQUSED), bool(cfg.variant & PAGED)
     ACC = acc_type(cfg.dtype)
     TPR, ROW_STRIDE, RPT, S_CPT = thread_layout(BLOCK_M, BLOCK_N, NTHREADS)
@@ -201,7 +202,7 @@ def make_flash_fwd(cfg):
         for i in range(RPT):
             for j in range(O_CPT):
                 acc_o[i, j] = 0
-        softmax_init(row_max, row_sum)
+        softmax_init(row_max, row_sum, IS_BOUNDED)
 
         # [2] Load the Q tile
         # rows q_start + row_begin.. of the (packed) array; the sequence ends at row q_start + seqlen_q
@@ -246,7 +247,8 @@ def make_flash_fwd(cfg):
                             acc_s[i, j] = -math.inf
 
             # [5] Online softmax: update row_max, rescale acc_o and row_sum, P = exp2(S * scale_log2 - row_max * scale_log2)
-            softmax_update(acc_s, acc_o, row_max, row_sum, tile_max, sRed, row0, ROW_STRIDE, lane, TPR, score_log2)
+            softmax_update(acc_s, acc_o, row_max, row_sum, tile_max, sRed, row0, ROW_STRIDE, lane, TPR, score_log2,
+                           IS_BOUNDED)
 
             # [6] O += dropout(P) V
             # Dropped entries are 0 in P V only: row_sum, and so the LSE, keep them. O is scaled by

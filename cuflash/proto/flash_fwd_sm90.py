@@ -255,7 +255,9 @@ def make_flash_fwd_sm90(cfg, stages=None):
                     if not visible(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, row, key0 + lane + j * TPR):
                         acc_s[r, j] = -math.inf
         # [5] Online softmax: update row_max and row_sum, P = exp2(S * scale_log2 - row_max * scale_log2); acc_o's rescale waits for P V
-        softmax_update_correction(acc_s, correction, row_max, row_sum, sRed, row0, ROW_STRIDE, lane, TPR, score_log2)
+        # (always the running max: config.BOUNDED is not this kernel's, choose_forward drops it)
+        softmax_update_correction(acc_s, correction, row_max, row_sum, sRed, row0, ROW_STRIDE, lane, TPR, score_log2,
+                                  False)
         if IS_DROPOUT:  # dropped entries are 0 in P V only: row_sum keeps them
             for r in range(acc_s.shape[0]):
                 row = row_begin + row0 + r * ROW_STRIDE
@@ -361,7 +363,7 @@ def make_flash_fwd_sm90(cfg, stages=None):
         for r in range(rows):
             for j in range(O_CPT):
                 acc_o[r, j] = 0
-        softmax_init(row_max, row_sum)
+        softmax_init(row_max, row_sum, False)
 
         if consumer >= 0:
             mbarrier_wait(bars, Q_FULL, 0, FULL_COUNT)

@@ -15,6 +15,9 @@ shuffles (common.cuh warp_allreduce_*); the simulator has no shuffles, so here t
 through a shared-memory scratch `red` of shape (block_m, tpr), fenced by syncthreads. Every thread
 of the block must call these functions the same number of times (they contain barriers).
 
+bounded (softmax.cuh kBounded, config.BOUNDED: a softcap of at most 50 bounds every logit): row_max stays 0
+and the update is its step [5] alone, P = exp2(S * scale_log2), with every correction 1.
+
 Values are stored into the caller's arrays, whose dtype is the accumulator type (float32 or
 float64): that keeps the arithmetic in acc_t on the GPU and in the simulator alike.
 """
@@ -25,10 +28,11 @@ from numba import cuda
 
 
 @cuda.jit(device=True)
-def softmax_init(row_max, row_sum):
+def softmax_init(row_max, row_sum, bounded):
     # [1] Start every row with row_max = -inf and row_sum = 0
+    # (bounded: 0, for good)
     for i in range(row_max.shape[0]):
-        row_max[i] = -math.inf
+        row_max[i] = 0 if bounded else -math.inf
         row_sum[i] = 0
 
 
@@ -64,7 +68,8 @@ def allreduce_sum(red, vals, row0, row_stride, lane, tpr):
 
 
 @cuda.jit(device=True)
-def softmax_update_correction(acc_s, correction, row_max, row_sum, red, row0, row_stride, lane, tpr, scale_log2):
+def softmax_update_correction(acc_s, correction, row_max, row_sum, red, row0, row_stride, lane, tpr, scale_log2,
+                              bounded):
     """One key block of the online softmax, acc_o left alone (softmax.cuh update(acc_s, scale_log2, correction)).
 
     New row_max = max(old row_max, this block's row max); row_sum is rescaled by, and correction[i]
@@ -73,7 +78,16 @@ def softmax_update_correction(acc_s, correction, row_max, row_sum, red, row0, ro
     correction (rpt elements) holds the reduced row max until it takes the factor. A row whose max is
     still -inf (all its keys masked so far) subtracts 0 instead, so P = 0 and its factor is
     exp2(-inf) = 0, never NaN (C++ takes 1 there: either leaves that row's acc_o and row_sum at 0).
+    bounded: step 5 alone, no offset, correction 1 (every thread takes this branch alike: no barrier is skipped
+    by some and not others).
     """
+    if bounded:
+        for i in range(acc_s.shape[0]):
+            correction[i] = 1
+            for j in range(acc_s.shape[1]):
+                acc_s[i, j] = math.exp2(acc_s[i, j] * scale_log2)
+                row_sum[i] += acc_s[i, j]
+        return
     # [2] Row max of the key block, reduced over the row's threads: m = max(row_max, max_j S)
     for i in range(acc_s.shape[0]):
         m = row_max[i]
@@ -111,12 +125,13 @@ def softmax_rescale(acc_o, correction):
 
 
 @cuda.jit(device=True)
-def softmax_update(acc_s, acc_o, row_max, row_sum, tile_max, red, row0, row_stride, lane, tpr, scale_log2):
+def softmax_update(acc_s, acc_o, row_max, row_sum, tile_max, red, row0, row_stride, lane, tpr, scale_log2, bounded):
     """One key block of the online softmax: softmax_update_correction, then softmax_rescale of acc_o.
 
     tile_max is a scratch local array of rpt elements (it ends holding the rescale factors).
     """
-    softmax_update_correction(acc_s, tile_max, row_max, row_sum, red, row0, row_stride, lane, tpr, scale_log2)
+    softmax_update_correction(acc_s, tile_max, row_max, row_sum, red, row0, row_stride, lane, tpr, scale_log2,
+                              bounded)
     softmax_rescale(acc_o, tile_max)
 
 
