@@ -1,6 +1,6 @@
 """flash_decode's time per split count, beside num_splits=0's choice: what the split heuristic
-(config.decode_splits) is judged by. The decode suite's dense shapes, and the first one's page pools (pages of
-16, 64, 256 keys), bf16, one query row; device time as the suite measures it (timing.time_device: events around
+(config.decode_splits) is judged by. The decode suite's dense shapes, and page pools of the first two (B = 8:
+pages of 16, 64, 256 keys; B = 1: 16, 64), bf16, one query row; device time as the suite measures it (timing.time_device: events around
 back-to-back calls behind a spin kernel, median).
 
     python3 bench/decode_splits.py OUT.json
@@ -18,12 +18,12 @@ from cuflash.benchmark import decode
 from cuflash.benchmark.timing import clock, time_device
 
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
+PAGES = {decode.SHAPES[0]: (16, 64, 256), decode.SHAPES[1]: (16, 64)}
 
 
 def main(path):
     rows = []
-    cells = [(shape, page) for shape in decode.SHAPES for page in ((None, 16, 64, 256) if shape == decode.SHAPES[0]
-                                                                   else (None,))]
+    cells = [(shape, page) for shape in decode.SHAPES for page in (None, *PAGES.get(shape, ()))]
     for shape, page in cells:
         cell = decode.Cell(*shape, "bfloat16", page_size=page)
         data = decode.Data(cell, seed=0)
