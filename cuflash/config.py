@@ -83,7 +83,7 @@ QUERY_SPLIT = 512
 # With SOFTCAP and without ALIBI, a softcap of at most BOUNDED_SOFTCAP: every logit lies in [-softcap, softcap],
 # so the online softmax (kernels_cu/softmax.cuh) subtracts no running max: P = e^logit stays within e^+-50,
 # inside fp32's and bf16's range (not fp16's: 65504 is e^11). choose_forward keeps it for bf16 on flash_fwd alone
-# (softcap forward -18 % on the H200; flash_fwd_sm90 ran 1-2 % slower with it: bench/RESULTS.md, 2026-12-03 (b));
+# (softcap forward 7-18 % faster on the H200; flash_fwd_sm90 gained nothing with it: bench/RESULTS.md, 2026-12-03 (b));
 # the other kernels drop it.
 BOUNDED = 1024
 BOUNDED_SOFTCAP = 50.0
