@@ -29,7 +29,8 @@ def test_bounded_softcap_is_kept_by_the_bf16_mma_forward_alone():
     assert config.choose_forward("bfloat16", 128, v, compute_capability=90).variant == config.SOFTCAP
     for dt in ("float16", "float32", "float64"):
         assert config.choose_forward(dt, 128, v).variant == config.SOFTCAP
-    assert all(c.variant & config.BOUNDED == 0 for c in config.choose_backward("bfloat16", 128, v, compute_capability=90))
+    backward = config.choose_backward("bfloat16", 128, v, compute_capability=90)
+    assert all(c.variant & config.BOUNDED == 0 for c in backward)
     assert all(c.variant & config.BOUNDED == 0 for c in config.choose_decode("bfloat16", 128, v, packed_rows=1))
     with pytest.raises(ValueError, match="ALiBi"):
         config.variant_bits(softcap=True, alibi=True, bounded=True)
