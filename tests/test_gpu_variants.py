@@ -13,6 +13,7 @@ o = 0, lse = -inf and dq = 0 exactly. Outputs are poisoned with NaN before each 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -36,7 +37,7 @@ CASES = [
     ("softcap-saturated", "bfloat16", 2, 256, 320, 4, 2, 128, dict(softcap=0.3)),
     ("softcap-curved", "bfloat16", 2, 256, 320, 4, 2, 128, dict(softcap=30.0, softmax_scale=1.0)),
     ("softcap-curved-fp16", "float16", 2, 200, 260, 4, 4, 64, dict(softcap=30.0, softmax_scale=1.0)),
-    # bf16 softcaps up to 50 without ALiBi take BOUNDED on flash_fwd (no running max; test_variant_bounded_mma):
+    # bf16 softcaps up to 50 without ALiBi take BOUNDED on flash_fwd (no running max; BOUNDED_CASES):
     # with dropout, a window and varlen
     ("softcap-dropout-window", "bfloat16", 2, 300, 300, 4, 2, 64,
      dict(softcap=20.0, dropout_p=0.1, seed=3, causal=True, window=(64, 0))),
@@ -198,30 +199,21 @@ def _check(gpu, ctx, dtype, got, r64, sp):
         raise AssertionError(f"[{ctx}]\n  " + "\n  ".join(fails))
 
 
-@pytest.mark.parametrize("name,dtype,b,sq,sk,h,hk,d,kw",
-                         [pytest.param(*c, id=f"{c[0]}-{c[1]}-d{c[7]}") for c in CASES])
-def test_variant(gpu, name, dtype, b, sq, sk, h, hk, d, kw):
-    ctx = f"{name} {dtype} b={b} sq={sq} sk={sk} h={h} hk={hk} d={d} {kw}"
-    q, k, v, do, kw, packed = _case_inputs(gpu, ctx, dtype, b, sq, sk, h, hk, d, kw)
-    got = _run(gpu, dtype, q, k, v, do, kw, packed)
-    r64, sp = _references(gpu, dtype, q, k, v, do, kw, packed)
-    _check(gpu, ctx, dtype, got, r64, sp)
-
-
-# The cases that take BOUNDED (bf16, a softcap of at most 50, no ALiBi) where flash_fwd runs: forced on a
-# Hopper GPU, whose own forward keeps the running max.
+# The cases that take BOUNDED (bf16, a softcap of at most 50, no ALiBi) where flash_fwd runs run again on the
+# mma.sync family, forced: a Hopper GPU's own forward keeps the running max.
 BOUNDED_CASES = [c for c in CASES if c[1] == "bfloat16" and 0 < c[8].get("softcap", 0) <= 50
                  and "alibi_slopes" not in c[8]]
 
 
-@pytest.mark.parametrize("name,dtype,b,sq,sk,h,hk,d,kw",
-                         [pytest.param(*c, id=f"{c[0]}-{c[1]}-d{c[7]}") for c in BOUNDED_CASES])
-def test_variant_bounded_mma(gpu, name, dtype, b, sq, sk, h, hk, d, kw):
+@pytest.mark.parametrize("family,name,dtype,b,sq,sk,h,hk,d,kw",
+                         [pytest.param(None, *c, id=f"{c[0]}-{c[1]}-d{c[7]}") for c in CASES]
+                         + [pytest.param("mma", *c, id=f"mma-bounded-{c[0]}-{c[1]}-d{c[7]}") for c in BOUNDED_CASES])
+def test_variant(gpu, family, name, dtype, b, sq, sk, h, hk, d, kw):
     from cuflash import config
 
-    ctx = f"mma {name} {dtype} b={b} sq={sq} sk={sk} h={h} hk={hk} d={d} {kw}"
+    ctx = (f"{family} " if family else "") + f"{name} {dtype} b={b} sq={sq} sk={sk} h={h} hk={hk} d={d} {kw}"
     q, k, v, do, kw, packed = _case_inputs(gpu, ctx, dtype, b, sq, sk, h, hk, d, kw)
-    with config.kernel_family("mma"):
+    with config.kernel_family(family) if family else contextlib.nullcontext():  # else the session's family
         got = _run(gpu, dtype, q, k, v, do, kw, packed)
     r64, sp = _references(gpu, dtype, q, k, v, do, kw, packed)
     _check(gpu, ctx, dtype, got, r64, sp)
