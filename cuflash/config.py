@@ -214,13 +214,15 @@ _TILES_HEAVY: dict[str, dict[int, tuple[int, int, int]]] = {
     "flash_bwd_dkdv_simt": {64: (32, 32, 4)},
 }
 
-# flash_fwd_sm90 without a mask or a score modifier, over WIDE_KEYS_MIN keys or more: 176 keys a block, as
-# FlashAttention-3 takes at d = 128 (hopper/tile_size.h): 1.375x fewer key blocks, so fewer barriers, waits
-# and O rescales per query row, in 2 stages of K and V instead of 3. Measured on the H200 (bench/RESULTS.md,
-# 2026-12-02 (d), B=2 H=8, non-causal): 1.03x at N=8192 and 1.12x at 16384, even at 2048 and 4096, and
-# 0.96-0.97x at 512 and 1024, where the shorter ring's fill is a larger share.
-_TILES_WIDE_KEYS = {"flash_fwd_sm90": {128: (128, 176, 12)}}
-WIDE_KEYS_MIN = 4096
+# flash_fwd_sm90 over many keys, without a window or score modifier: key blocks wider than _TILES', so fewer
+# barriers, waits and O rescales per query row (and fewer stages of K and V). Per head dim: (tile, the fewest
+# keys that take it without a mask, and with the causal one; None: never). Measured on the H200 against _TILES'
+# tile (bench/RESULTS.md): d = 128, FlashAttention-3's 176 keys (hopper/tile_size.h), 2026-12-02 (d): non-causal
+# 1.03x at N=8192, 1.12x at 16384, 0.96-0.97x at 512 and 1024; 2026-12-03 (c): causal 1.01-1.03x from 8192 keys,
+# 0.99x at 2048 and 4096. d = 64, 192 keys, and d = 256, 80 keys, 2026-12-03 (c): 1.03-1.12x at N >= 2048,
+# causal and not; at d = 64, 0.95-0.98x at 1024.
+_TILES_WIDE_KEYS = {"flash_fwd_sm90": {64: ((128, 192, 12), 2048, 2048), 128: ((128, 176, 12), 4096, 8192),
+                                       256: ((128, 80, 12), 2048, 2048)}}
 
 # flash_bwd where its grid would leave most SMs idle (fewer blocks than half of them, e.g. B=2 H=8 N=512 at
 # d=128: 64 blocks of 64 x 128 on 132 SMs): a tile that makes twice as many blocks. Measured on the H200
@@ -340,7 +342,7 @@ def choose_forward(dtype, head_dim: int, variant: int, *, seqlen_k: int = 0, com
     16-bit dtypes on compute capability 9.0 take the Hopper kernel (flash_fwd_sm90: every variant, varlen,
     KV caches dense or paged); elsewhere the mma.sync kernel. family: forced_family(), where a caller forces
     one ("mma" on a Hopper GPU; "sm90" raises elsewhere). seqlen_k, where given, lets a long call without
-    mask or score modifier take _TILES_WIDE_KEYS's tile; not a KV cache's, whose dense and paged calls read
+    window or score modifier take _TILES_WIDE_KEYS's tile; not a KV cache's, whose dense and paged calls read
     the same keys in the same blocks (the same bits: 176 keys no page size divides)."""
     dt = dtype_name(dtype)
     variant &= ~BACKWARD_ONLY
@@ -354,8 +356,11 @@ def choose_forward(dtype, head_dim: int, variant: int, *, seqlen_k: int = 0, com
         variant &= ~BOUNDED
     cfg = _make(kernel, dt, head_dim, variant)
     wide = _TILES_WIDE_KEYS.get(cfg.kernel, {}).get(cfg.head_dim)
-    if wide and seqlen_k >= WIDE_KEYS_MIN and not variant & (HEAVY | LOCAL | WINDOW | FORWARD_ONLY):
-        cfg = dataclasses.replace(cfg, block_m=wide[0], block_n=wide[1], warps=wide[2])
+    if wide and not variant & (HEAVY | WINDOW | FORWARD_ONLY):
+        (bm, bn, warps), min_keys, min_keys_causal = wide
+        fewest = min_keys_causal if variant & LOCAL else min_keys
+        if fewest is not None and seqlen_k >= fewest:
+            cfg = dataclasses.replace(cfg, block_m=bm, block_n=bn, warps=warps)
     return cfg
 
 
@@ -593,7 +598,8 @@ def all_configs() -> list[KernelConfig]:
             hopper = [choose_forward(dt, d, v, compute_capability=90)
                       for v in (0, LOCAL, ALL_VARIANTS & ~VARLEN, ALL_VARIANTS, KVCACHE_VARIANTS & ~PAGED,
                                 KVCACHE_VARIANTS)]
-            hopper.append(choose_forward(dt, d, 0, compute_capability=90, seqlen_k=WIDE_KEYS_MIN))
+            hopper += [choose_forward(dt, d, v, compute_capability=90, seqlen_k=1 << 30)  # _TILES_WIDE_KEYS'
+                       for v in (0, LOCAL, VARLEN, LOCAL | VARLEN)]
             # the most registers flash_bwd_sm90 serves: every variant dense, and varlen without ALiBi or without
             # dropout (those Hopper configs alone: where it does not serve the head dim, mma.sync ones)
             bwd_all = ALL_VARIANTS & ~(SM90_BWD_UNSERVED | VARLEN)

@@ -51,18 +51,22 @@ def test_unknown_dtype():
         config.choose_forward("int8", 64, False)
 
 
-def test_long_unmasked_hopper_forward_takes_wide_key_blocks():
-    wide = config.WIDE_KEYS_MIN
-    assert config.choose_forward("bfloat16", 128, 0, seqlen_k=wide, compute_capability=90).block_n == 176
-    assert config.choose_forward("bfloat16", 120, 0, seqlen_k=wide + 1, compute_capability=90).block_n == 176
-    for d, variant, seqlen_k, cc in ((128, 0, wide - 1, 90), (128, config.LOCAL, wide, 90),
-                                     (128, config.WINDOW, wide, 90), (128, config.SOFTCAP, wide, 90),
-                                     (128, config.SEQUSED, wide, 90), (128, config.SEQUSED | config.PAGED, wide, 90),
-                                     (64, 0, wide, 90),
-                                     (256, 0, wide, 90), (128, 0, wide, 80)):
-        cfg = config.choose_forward("bfloat16", d, variant, seqlen_k=seqlen_k, compute_capability=cc)
-        assert cfg.block_n != 176, (d, variant, seqlen_k, cc)
-    assert config.choose_forward("float16", 128, 0, seqlen_k=wide, compute_capability=90) in config.all_configs()
+@pytest.mark.parametrize("d,block_n,full,causal", [(128, 176, 4096, 8192), (64, 192, 2048, 2048), (32, 192, 2048, 2048),
+                                                   (256, 80, 2048, 2048)])
+def test_long_hopper_forward_takes_wide_key_blocks(d, block_n, full, causal):
+    """_TILES_WIDE_KEYS: from its key counts on, without and with the causal mask, varlen too; never with a
+    window, a score modifier, a KV cache, or off Hopper."""
+    def cfg(variant, seqlen_k, cc=90, dtype="bfloat16"):
+        return config.choose_forward(dtype, d, variant, seqlen_k=seqlen_k, compute_capability=cc)
+
+    for variant, fewest in ((0, full), (config.VARLEN, full), (config.LOCAL, causal)):
+        assert cfg(variant, fewest).block_n == block_n and cfg(variant, fewest + 1).block_n == block_n
+        assert cfg(variant, fewest - 1).block_n != block_n, variant
+        assert cfg(variant, fewest, dtype="float16") in config.all_configs()
+    for variant in (config.LOCAL | config.WINDOW, config.SOFTCAP, config.ALIBI, config.DROPOUT, config.SEQUSED,
+                    config.SEQUSED | config.PAGED):
+        assert cfg(variant, 1 << 20).block_n != block_n, variant
+    assert cfg(0, 1 << 20, cc=80).block_n != block_n
 
 
 def test_paged_boxes_tile_the_key_blocks():

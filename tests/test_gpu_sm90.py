@@ -53,6 +53,21 @@ def test_families_meet_the_rule_on_the_same_inputs(hopper, dtype, d, causal):
         assert err <= bound and lse_err <= 1e-4, f"{family}: o error {err:.3e} (bound {bound:.3e}), lse {lse_err:.3e}"
 
 
+@pytest.mark.parametrize("d", [40, 64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_wide_key_blocks_meet_the_rule(hopper, d, causal):
+    """_TILES_WIDE_KEYS' tiles, just past the key counts that take them: tails in both lengths, GQA, and the
+    bottom-right causal diagonal inside a key block."""
+    variant = config.LOCAL if causal else 0
+    (_, block_n, _), full, causal_min = config._TILES_WIDE_KEYS["flash_fwd_sm90"][64 if d <= 64 else d]
+    sk = (causal_min if causal else full) + 37
+    assert config.choose_forward("bfloat16", d, variant, seqlen_k=sk, compute_capability=90).block_n == block_n
+    q, k, v = _qkv(hopper, f"sm90-wide-{d}-{causal}", "bfloat16", 2, 333, sk, 4, 2, d)
+    o, lse = cuflash.flash_attn_forward(q, k, v, causal=causal)
+    err, bound, lse_err = _forward_error(hopper, "bfloat16", causal, q, k, v, o, lse)
+    assert err <= bound and lse_err <= 1e-4, f"o error {err:.3e} (bound {bound:.3e}), lse {lse_err:.3e}"
+
+
 def test_hopper_forward_is_the_default(hopper):
     from cuflash.backends import cuda
 
@@ -106,7 +121,8 @@ def test_forcing_sm90_where_it_cannot_serve_raises(hopper):
 @pytest.mark.parametrize("d,cu_q,cu_k", [
     (64, [0, 100, 100, 357, 700], [0, 130, 250, 517, 610]),
     (128, [0, 100, 100, 357, 700], [0, 130, 250, 517, 610]),
-    (128, [0, 300, 600], [0, 4100, 4300]),  # WIDE_KEYS_MIN keys or more: 176-key blocks where not causal
+    (128, [0, 300, 600], [0, 4100, 4300]),  # _TILES_WIDE_KEYS' 176-key blocks where not causal
+    (64, [0, 300, 600], [0, 2100, 2300]),  # its 192-key blocks, causal too
 ])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_varlen_forward_on_the_hopper_kernel(hopper, d, cu_q, cu_k, causal):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parent.parent / "kernels_cu" / "wgmma.cuh"
 TYPES = {"__half": "f16", "__nv_bfloat16": "bf16"}
-SS_N = (64, 80, 128, 176)  # S = Q K^T: N = the key tile
+SS_N = (64, 80, 128, 176, 192)  # S = Q K^T: N = the key tile
 RS_N = (64, 128, 256)  # O += P V, dV += P^T dO, dK += dS^T Q: N = the head dim
 SS_N_MAJOR_N = (64,)  # dQ += dS K (backward): N = 64 columns of the head dim, B = K N-major
 
