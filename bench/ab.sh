@@ -5,7 +5,8 @@
 # against, made here and carried with the working tree (an untracked folder travels):
 #   git archive REV cuflash kernels_cu bench pyproject.toml | (mkdir -p _old && tar -x -C _old)
 #   OLD=_old bash bench/ab.sh causal full det bwd fwd      # on the device, after installing the wheels
-# Stages: causal / full (`cuflash bench --suite seqlen` against cuDNN, with or without --no-causal), variants
+# Stages: causal / full (`cuflash bench --suite seqlen` against cuDNN, with or without --no-causal), headdim
+# (`cuflash bench --suite headdim` against cuDNN), variants
 # (`cuflash bench --suite variants`, cuflash alone), decode (`cuflash bench --suite decode`, cuflash and cuDNN),
 # det (bench/deterministic.py), bwd / fwd (bench/families.py). Output: $OUT/ab.tgz holding <stage>-<tree>.json and .log, and ab.txt (each run's exit
 # status and the seconds since the start).
@@ -30,6 +31,8 @@ for stage in "$@"; do
                 --json "$json" ;;
       full) run "$tree" "$stage" python3 -m cuflash bench --suite seqlen --no-causal --backends cuflash,torch-cudnn \
               --json "$json" ;;
+      headdim) run "$tree" "$stage" python3 -m cuflash bench --suite headdim --backends cuflash,torch-cudnn \
+                 --json "$json" ;;
       variants) run "$tree" "$stage" python3 -m cuflash bench --suite variants --backends cuflash --json "$json" ;;
       decode) run "$tree" "$stage" python3 -m cuflash bench --suite decode --backends cuflash,torch-cudnn \
                 --json "$json" ;;

@@ -1,29 +1,81 @@
-"""flash_bwd tile candidates timed on the GPU (bf16, CUDA events around 10 back-to-back calls, median of 5;
-the sweep's original warmed up with 1 call, this one with 3),
-atomic and deterministic, causal and not, through backends.cuda.backward with config._TILES patched (every
-candidate compiles without spills: check with _compile.ptxas_reports first). One JSON list on the path.
+"""Tile candidates timed on the GPU (bf16 unless said, CUDA events around back-to-back calls, median of 5), one
+JSON list on the path. Every candidate must compile without spills: check with _compile.ptxas_reports first.
 
-    python3 bench/tile_sweep.py OUT.json
+  fwd: flash_fwd_sm90's candidates (config._TILES patched, _TILES_WIDE_KEYS emptied so each runs as given)
+       through backends.cuda.forward_launches, in three rounds interleaved with torch SDPA's cuDNN forward on
+       the same inputs, and each output's max error against cuDNN's (how _TILES_WIDE_KEYS was chosen).
+  bwd: flash_bwd's (config._TILES patched), atomic and deterministic, causal and not, through
+       backends.cuda.backward (how _TILES["flash_bwd"] was chosen; its original warmed up with 1 call, this
+       with 3).
+
+    python3 bench/tile_sweep.py fwd|bwd OUT.json
 """
 
 import json
 import sys
 
 import cupy as cp
+import numpy as np
 from deterministic import inputs, ms_per_call, record  # bench/ (the script's directory) is on sys.path
 
 from cuflash import config
 from cuflash.backends import cuda
 
-CANDIDATES = {32: [(64, 64, 4), (64, 128, 8), (128, 128, 8), (128, 64, 4)],
-              64: [(64, 64, 4), (64, 128, 8), (128, 64, 4), (128, 128, 8), (128, 64, 8)],
-              128: [(64, 64, 4), (64, 128, 8), (128, 64, 8), (64, 64, 8)],
-              256: [(64, 64, 8), (64, 32, 4)]}
+FWD_CANDIDATES = {64: [(128, 128, 12), (128, 192, 12)], 128: [(128, 128, 12), (128, 176, 12), (128, 192, 12)],
+                  256: [(128, 64, 12), (128, 80, 12)]}
+FWD_SHAPES = [(2, 8, n, 128, causal, "bf16") for n in (2048, 4096, 8192, 16384) for causal in (True, False)] + [
+    (1, 8, 8192, 128, True, "bf16"), (2, 8, 8192, 128, True, "fp16"), (2, 8, 8192, 128, False, "fp16"),
+    (1, 32, 8192, 32, True, "bf16"), (8, 16, 1024, 64, True, "bf16"), (2, 16, 8192, 64, True, "fp16"),
+    (2, 16, 8192, 64, False, "fp16"), (1, 4, 8192, 256, True, "bf16"), (2, 4, 8192, 256, False, "bf16"),
+    (2, 4, 2048, 256, True, "bf16"), (2, 4, 2048, 256, False, "bf16")]  # B, H, N, d, causal, dtype
+BWD_CANDIDATES = {32: [(64, 64, 4), (64, 128, 8), (128, 128, 8), (128, 64, 4)],
+                  64: [(64, 64, 4), (64, 128, 8), (128, 64, 4), (128, 128, 8), (128, 64, 8)],
+                  128: [(64, 64, 4), (64, 128, 8), (128, 64, 8), (64, 64, 8)],
+                  256: [(64, 64, 8), (64, 32, 4)]}
 
 
-def main(path):
-    rows = []
-    for d, tiles in CANDIDATES.items():
+def fwd(rows):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    config._TILES_WIDE_KEYS.clear()
+    stream = cp.cuda.get_current_stream().ptr
+    for b, h, n, d, causal, dtype in FWD_SHAPES:
+        compiled = config.compiled_head_dim(d, sorted(FWD_CANDIDATES))
+        tiles = FWD_CANDIDATES[compiled]
+        dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        qt, kt, vt = (torch.randn(b, n, h, d, device="cuda", dtype=dt) for _ in range(3))
+        q, k, v = (cp.from_dlpack(x) for x in (qt, kt, vt))
+        sdpa = lambda: F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (qt, kt, vt)),  # noqa: E731
+                                                      is_causal=causal)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            ref = cp.from_dlpack(sdpa().transpose(1, 2).float().contiguous())
+        launches, errors = {}, {}
+        for tile in tiles:
+            config._TILES["flash_fwd_sm90"][compiled] = tile
+            o, lse = cp.full(q.shape, cp.nan, q.dtype), cp.empty((b, h, n), cp.float32)
+            launches[tile] = cuda.forward_launches(q, k, v, o, lse, causal=causal, softmax_scale=d ** -0.5)
+            launches[tile].run(stream)
+            errors[tile] = float(cp.abs(o.astype(cp.float32) - ref).max())
+        times = {t: [] for t in [*tiles, "cudnn"]}
+        for r in range(3):  # each round starts one further along the list
+            for t in list(times)[r:] + list(times)[:r]:
+                if t == "cudnn":
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        times[t].append(ms_per_call(sdpa))
+                else:
+                    times[t].append(ms_per_call(lambda: launches[t].run(stream)))  # noqa: B023
+        ms = {t: float(np.median(v)) for t, v in times.items()}
+        flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+        record(rows, {"shape": [b, h, n, d], "causal": causal, "dtype": dtype, "cudnn_ms": ms["cudnn"], "tiles": {
+            str(t): {"ms": ms[t], "tflops": round(flops / ms[t] / 1e9, 1), "over_cudnn": round(ms["cudnn"] / ms[t], 3),
+                     "over_first": round(ms[tiles[0]] / ms[t], 3), "max_err": errors[t], "rounds": times[t]}
+            for t in tiles}})
+
+
+def bwd(rows):
+    for d, tiles in BWD_CANDIDATES.items():
         b, h, n = (2, 8, 8192) if d == 128 else (1, 1024 // d, 8192)
         q, k, v, do = inputs(b, h, n, d)
         for causal in (True, False):
@@ -39,9 +91,14 @@ def main(path):
                     flops = 2.5 * 4 * b * h * n * n * d * (0.5 if causal else 1.0)
                     record(rows, {"d": d, "shape": [b, h, n, d], "tile": tile, "causal": causal, "det": det, "ms": ms,
                                   "tflops": flops / ms / 1e9})
+
+
+def main(mode, path):
+    rows = []
+    {"fwd": fwd, "bwd": bwd}[mode](rows)
     with open(path, "w") as f:
         json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

@@ -54,13 +54,13 @@ def test_ab_runs_each_stage_on_both_trees_and_packs_the_outputs(tmp_path):
     old.mkdir()
     env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
            "OLD": str(old), "PYTHONPATH": "/site"}
-    run = subprocess.run(["bash", "bench/ab.sh", "causal", "det", "decode"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=60)
+    run = subprocess.run(["bash", "bench/ab.sh", "causal", "headdim", "det", "decode"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     with tarfile.open(tmp_path / "out" / "ab.tgz") as tar:
         logs = {m.name.lstrip("./"): tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
-    for stage, args in (("compile", "-m cuflash compile"), ("causal", "--suite seqlen"), ("det", "deterministic"),
-                        ("decode", "--suite decode")):
+    for stage, args in (("compile", "-m cuflash compile"), ("causal", "--suite seqlen"), ("headdim", "--suite headdim"),
+                        ("det", "deterministic"), ("decode", "--suite decode")):
         assert f"cwd={old} path={old}:/site" in logs[f"{stage}-old.log"] and args in logs[f"{stage}-old.log"]
         assert f"cwd={ROOT} path={ROOT}:/site" in logs[f"{stage}-new.log"] and args in logs[f"{stage}-new.log"]
-    assert logs["ab.txt"].count("exit 0") == 8
+    assert logs["ab.txt"].count("exit 0") == 10
