@@ -214,13 +214,13 @@ _TILES_HEAVY: dict[str, dict[int, tuple[int, int, int]]] = {
     "flash_bwd_dkdv_simt": {64: (32, 32, 4)},
 }
 
-# flash_fwd_sm90 over many keys, without a window or score modifier: key blocks wider than _TILES', so fewer
-# barriers, waits and O rescales per query row (and fewer stages of K and V). Per head dim: (tile, the fewest
-# keys that take it without a mask, and with the causal one; None: never). Measured on the H200 against _TILES'
-# tile (bench/RESULTS.md): d = 128, FlashAttention-3's 176 keys (hopper/tile_size.h), 2026-12-02 (d): non-causal
-# 1.03x at N=8192, 1.12x at 16384, 0.96-0.97x at 512 and 1024; 2026-12-03 (c): causal 1.01-1.03x from 8192 keys,
-# 0.99x at 2048 and 4096. d = 64, 192 keys, and d = 256, 80 keys, 2026-12-03 (c): 1.03-1.12x at N >= 2048,
-# causal and not; at d = 64, 0.95-0.98x at 1024.
+# flash_fwd_sm90 over many keys, without a window, score modifier, dropout or KV cache: key blocks wider than
+# _TILES', so fewer barriers, waits and O rescales per query row (and fewer stages of K and V). Per head dim:
+# (tile, the fewest keys that take it without a mask, and with the causal one). Measured on the H200 against
+# _TILES' tile (bench/RESULTS.md): d = 128, FlashAttention-3's 176 keys (hopper/tile_size.h), 2026-12-02 (d):
+# non-causal 1.03x at N=8192, 1.12x at 16384, 0.96-0.97x at 512 and 1024; 2026-12-03 (c): causal 1.01-1.03x from
+# 8192 keys, 0.99x at 2048 and 4096. d = 64, 192 keys, and d = 256, 80 keys, 2026-12-03 (c): 1.03-1.12x at
+# N >= 2048, causal and not; at d = 64, 0.95-0.98x at 1024.
 _TILES_WIDE_KEYS = {"flash_fwd_sm90": {64: ((128, 192, 12), 2048, 2048), 128: ((128, 176, 12), 4096, 8192),
                                        256: ((128, 80, 12), 2048, 2048)}}
 
@@ -358,8 +358,7 @@ def choose_forward(dtype, head_dim: int, variant: int, *, seqlen_k: int = 0, com
     wide = _TILES_WIDE_KEYS.get(cfg.kernel, {}).get(cfg.head_dim)
     if wide and not variant & (HEAVY | WINDOW | FORWARD_ONLY):
         (bm, bn, warps), min_keys, min_keys_causal = wide
-        fewest = min_keys_causal if variant & LOCAL else min_keys
-        if fewest is not None and seqlen_k >= fewest:
+        if seqlen_k >= (min_keys_causal if variant & LOCAL else min_keys):
             cfg = dataclasses.replace(cfg, block_m=bm, block_n=bn, warps=warps)
     return cfg
 
