@@ -343,7 +343,7 @@ def choose_forward(dtype, head_dim: int, variant: int, *, seqlen_k: int = 0, com
     KV caches dense or paged); elsewhere the mma.sync kernel. family: forced_family(), where a caller forces
     one ("mma" on a Hopper GPU; "sm90" raises elsewhere). seqlen_k, where given, lets a long call without
     window or score modifier take _TILES_WIDE_KEYS's tile; not a KV cache's, whose dense and paged calls read
-    the same keys in the same blocks (the same bits: 176 keys no page size divides)."""
+    the same keys in the same blocks (the same bits), and paged key blocks are powers of two."""
     dt = dtype_name(dtype)
     variant &= ~BACKWARD_ONLY
     if dt not in TENSOR_CORE_DTYPES:
