@@ -33,6 +33,7 @@ ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 # Shared memory a block may take on the devices we target (sm_80: 163 KiB, sm_90: 227 KiB opt-in).
 SMEM_LIMIT = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
+SM90_SMEM_PER_SM = 233_472  # an SM's; a block gets SMEM_LIMIT[90] of it at most
 DEFAULT_SMEM_BYTES = 48 * 1024  # above this a launch must opt in (max_dynamic_shared_size_bytes)
 
 # kernel name -> source file under kernels_cu/
@@ -504,10 +505,18 @@ def decode_splits(tiles: int, key_blocks: int, sms: int) -> int:
     return next(s for s, f in enumerate(fill, 1) if f >= 0.95 * best)
 
 
+def sm90_blocks_per_sm(cfg: KernelConfig) -> int:
+    """flash_fwd_sm90's blocks per SM (kSm90BlocksPerSm): two where one consumer warpgroup has the block
+    (block_m 64), one where its consumers take turns."""
+    return 2 if cfg.block_m == 64 else 1
+
+
 def sm90_stages(cfg: KernelConfig) -> int:
-    """Sm90FwdSmem::kStages: the stages of K and V that fit beside Q in sm_90's shared memory, up to 4."""
+    """Sm90FwdSmem::kStages: the stages of K and V that fit beside Q in a block's share of sm_90's shared memory
+    (228 KiB an SM, less 1 KiB the system keeps per block), up to 4."""
     q, kv = cfg.block_m * cfg.head_dim * 2, cfg.block_n * cfg.head_dim * 2
-    return min(4, (SMEM_LIMIT[90] - 1024 - q - 8 * (1 + 4 * 4)) // (2 * kv))
+    limit = SM90_SMEM_PER_SM // sm90_blocks_per_sm(cfg) - 1024
+    return min(4, (limit - 1024 - q - 8 * (1 + 4 * 4)) // (2 * kv))
 
 
 # Kernel families a caller can force (benchmarks, tests): kernel_family("mma") runs the mma.sync kernels on a

@@ -35,13 +35,18 @@
 
 namespace cuflash {
 
-// The block has a whole SM (one block per SM: its registers), so the ring takes as many stages as fit in
-// sm_90's 227 KiB, up to 4. config.smem_bytes computes the same.
+// Blocks per SM: one with two or more consumers (they take turns), two with one (kBlockM = 64), so that one
+// block's prologue and epilogue run under the other's main loop. config.sm90_blocks_per_sm mirrors it.
+template <int kConsumers>
+constexpr int kSm90BlocksPerSm = kConsumers == 1 ? 2 : 1;
+
+// A block has its share of an SM (registers, and 228 KiB of shared memory less 1 KiB the system keeps per block),
+// so the ring takes as many stages as fit there, up to 4. config.smem_bytes computes the same.
 template <int kHeadDim, int kBlockM, int kBlockN>
 struct Sm90FwdSmem {  // byte offsets from the 1024-aligned base
     static constexpr unsigned kQ = kBlockM * kHeadDim * 2;   // sQ at 0
     static constexpr unsigned kKV = kBlockN * kHeadDim * 2;  // one K or V tile
-    static constexpr unsigned kLimit = 232448, kSlack = 1024, kMaxStages = 4;
+    static constexpr unsigned kLimit = 233472 / kSm90BlocksPerSm<kBlockM / 64> - 1024, kSlack = 1024, kMaxStages = 4;
     static constexpr unsigned kFit = (kLimit - kSlack - kQ - 8 * (1 + 4 * kMaxStages)) / (2 * kKV);
     static constexpr int kStages = kFit < kMaxStages ? kFit : kMaxStages;
     static_assert(kStages >= 2, "two stages at least: one loads while the other is read");
@@ -57,7 +62,8 @@ __device__ __forceinline__ int kv_box_rows(const FwdParams& p) {
 }
 
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kVariant>
-__global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_sm90(const __grid_constant__ FwdSm90Params params) {
+__global__ void __launch_bounds__(kNWarps * 32, kSm90BlocksPerSm<kNWarps / 4 - 1>)
+    flash_fwd_sm90(const __grid_constant__ FwdSm90Params params) {
     static_assert(sizeof(T) == 2, "tensor-core kernel: __half or __nv_bfloat16");
     static_assert(kHeadDim % 64 == 0, "whole 128-byte swizzle slabs of 64 columns");
     constexpr int kConsumers = kNWarps / 4 - 1;
@@ -75,8 +81,11 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_sm90(const __grid_c
     static_assert(!Mod::kIsBounded, "kBounded: measured no faster here (config.choose_forward drops it)");
     const FwdParams& p = params.fwd;
     // Registers per thread after setmaxnreg: the producer keeps few, the consumers share the rest (64K per SM)
-    constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32, kConsumerRegs = kConsumers == 2 ? 240 : 160;
-    static_assert(kProducerRegs + kConsumers * kConsumerRegs <= (1 + kConsumers) * launch_regs(kNWarps * 32),
+    constexpr int kBlocksPerSm = kSm90BlocksPerSm<kConsumers>;
+    constexpr int kProducerRegs = kConsumers == 3 ? 32 : 24;
+    constexpr int kConsumerRegs = kConsumers == 1 ? 232 : kConsumers == 2 ? 240 : 160;
+    static_assert(kProducerRegs + kConsumers * kConsumerRegs
+                      <= (1 + kConsumers) * launch_regs(kBlocksPerSm * kNWarps * 32),
                   "setmaxnreg moves registers between warpgroups: no more than the launch gave them");
     // named barriers: 1 .. kConsumers for the store, then the turns, then the consumers' zeroed V tail
     constexpr int kTurn = 1 + kConsumers, kVTail = kTurn + kConsumers;
@@ -190,11 +199,15 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_fwd_sm90(const __grid_c
     // every barrier completes as often as it is waited on.
     const int n_blocks = n_block_end - n_block_min;
     const int next_turn = kTurn + (consumer + 1) % kConsumers;
-    auto take_turn = [&]() { named_barrier_sync(kTurn + consumer, 256); };
-    auto pass_turn = [&](bool last) {
-        if (!(last && consumer == kConsumers - 1)) named_barrier_arrive(next_turn, 256);
+    // One consumer has no turns to take.
+    auto take_turn = [&]() {
+        if constexpr (kConsumers > 1) named_barrier_sync(kTurn + consumer, 256);
     };
-    if (consumer == kConsumers - 1 && n_blocks > 0) named_barrier_arrive(kTurn, 256);
+    auto pass_turn = [&](bool last) {
+        if constexpr (kConsumers > 1)
+            if (!(last && consumer == kConsumers - 1)) named_barrier_arrive(next_turn, 256);
+    };
+    if (kConsumers > 1 && consumer == kConsumers - 1 && n_blocks > 0) named_barrier_arrive(kTurn, 256);
 
     // [3] S = Q K^T (wgmma from shared memory)
     auto issue_s = [&](int i) {

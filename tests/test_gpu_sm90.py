@@ -68,6 +68,27 @@ def test_wide_key_blocks_meet_the_rule(hopper, d, causal):
     assert err <= bound and lse_err <= 1e-4, f"o error {err:.3e} (bound {bound:.3e}), lse {lse_err:.3e}"
 
 
+@pytest.mark.parametrize("d,tile", [(64, (64, 128, 8)), (64, (64, 192, 8)), (128, (64, 64, 8))])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_one_consumer_blocks_meet_the_rule(hopper, monkeypatch, d, tile, causal):
+    """flash_fwd_sm90 with one consumer warpgroup (block_m 64: two blocks an SM, no turns): tails in both
+    lengths, GQA, causal rows that see no key."""
+    from cuflash.backends import cuda
+
+    monkeypatch.setitem(config._TILES["flash_fwd_sm90"], d, tile)
+    monkeypatch.setattr(config, "_TILES_WIDE_KEYS", {})
+    cp = hopper.cp
+    for b, sq, sk in ((2, 333, 517), (1, 64, 1000), (3, 200, 130)):
+        q, k, v = _qkv(hopper, f"sm90-one-consumer-{d}-{tile[1]}-{causal}-{sq}", "bfloat16", b, sq, sk, 4, 2, d)
+        o, lse = hopper.nan_like(q), cp.empty((b, 4, sq), cp.float32)
+        launches = cuda.forward_launches(q, k, v, o, lse, causal=causal, softmax_scale=d ** -0.5)
+        assert launches.kernels[0][4] == 256  # threads: a producer warpgroup and one consumer
+        launches.run(cp.cuda.get_current_stream().ptr)
+        err, bound, lse_err = _forward_error(hopper, "bfloat16", causal, q, k, v, o, lse)
+        assert err <= bound and lse_err <= 1e-4, \
+            f"{b, sq, sk}: o error {err:.3e} (bound {bound:.3e}), lse {lse_err:.3e}"
+
+
 def test_hopper_forward_is_the_default(hopper):
     from cuflash.backends import cuda
 
