@@ -1,9 +1,9 @@
 """Tile candidates timed on the GPU (bf16 unless said, CUDA events around back-to-back calls, median of 5), one
 JSON list on the path. Every candidate must compile without spills: check with _compile.ptxas_reports first.
 
-  fwd: flash_fwd_sm90's candidates (config._TILES patched, _TILES_WIDE_KEYS emptied so each runs as given)
+  fwd: flash_fwd_sm90's candidates (config._TILES patched, _TILES_BY_KEYS emptied so each runs as given)
        through backends.cuda.forward_launches, in three rounds interleaved with torch SDPA's cuDNN forward on
-       the same inputs, and each output's max error against cuDNN's (how _TILES_WIDE_KEYS was chosen).
+       the same inputs, and each output's max error against cuDNN's (how _TILES_BY_KEYS was chosen).
   bwd: flash_bwd's (config._TILES patched), atomic and deterministic, causal and not, through
        backends.cuda.backward (how _TILES["flash_bwd"] was chosen; its original warmed up with 1 call, this
        with 3).
@@ -39,7 +39,7 @@ def fwd(rows):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    config._TILES_WIDE_KEYS.clear()
+    config._TILES_BY_KEYS.clear()
     stream = cp.cuda.get_current_stream().ptr
     for b, h, n, d, causal, dtype in FWD_SHAPES:
         compiled = config.compiled_head_dim(d, sorted(FWD_CANDIDATES))

@@ -215,15 +215,20 @@ _TILES_HEAVY: dict[str, dict[int, tuple[int, int, int]]] = {
     "flash_bwd_dkdv_simt": {64: (32, 32, 4)},
 }
 
-# flash_fwd_sm90 over many keys, without a window, score modifier, dropout or KV cache: key blocks wider than
-# _TILES', so fewer barriers, waits and O rescales per query row (and fewer stages of K and V). Per head dim:
-# (tile, the fewest keys that take it without a mask, and with the causal one). Measured on the H200 against
-# _TILES' tile (bench/RESULTS.md): d = 128, FlashAttention-3's 176 keys (hopper/tile_size.h), 2026-12-02 (d):
-# non-causal 1.03x at N=8192, 1.12x at 16384, 0.96-0.97x at 512 and 1024; 2026-12-03 (c): causal 1.01-1.03x from
-# 8192 keys, 0.99x at 2048 and 4096. d = 64, 192 keys, and d = 256, 80 keys, 2026-12-03 (c): 1.03-1.12x at
-# N >= 2048, causal and not; at d = 64, 0.95-0.98x at 1024.
-_TILES_WIDE_KEYS = {"flash_fwd_sm90": {64: ((128, 192, 12), 2048, 2048), 128: ((128, 176, 12), 4096, 8192),
-                                       256: ((128, 80, 12), 2048, 2048)}}
+# flash_fwd_sm90 without a window, score modifier, dropout or KV cache: the tile by the call's key count, per head
+# dim, without and with the causal mask: (fewest keys, tile) steps, the last one the call reaches giving its tile
+# (_TILES' below the first). Measured on the H200 against _TILES' tile (bench/RESULTS.md):
+# - wider key blocks, so fewer barriers, waits and O rescales per query row: d = 128, FlashAttention-3's 176 keys
+#   (hopper/tile_size.h), 2026-12-02 (d): non-causal 1.03x at N=8192, 1.12x at 16384, 0.96-0.97x at 512 and 1024;
+#   2026-12-03 (c): causal 1.01-1.03x from 8192 keys, 0.99x at 2048 and 4096. d = 64, 192 keys, and d = 256, 80
+#   keys, 2026-12-03 (c): 1.03-1.12x at N >= 2048, causal and not;
+# - one consumer warpgroup (block_m 64), two blocks an SM, so that one block's prologue and epilogue run under the
+#   other's main loop: d = 64, 2026-12-03 (c): 64 x 128 1.09-1.13x at N = 512 and 1024, 64 x 192 1.11-1.15x at
+#   2048, and 128 x 192 1.02-1.04x faster than 64 x 192 at 8192.
+_FWD_SM90_D64 = ((0, (64, 128, 8)), (2048, (64, 192, 8)), (4096, (128, 192, 12)))
+_TILES_BY_KEYS = {"flash_fwd_sm90": {64: (_FWD_SM90_D64, _FWD_SM90_D64),
+                                     128: (((4096, (128, 176, 12)),), ((8192, (128, 176, 12)),)),
+                                     256: (((2048, (128, 80, 12)),), ((2048, (128, 80, 12)),))}}
 
 # flash_bwd where its grid would leave most SMs idle (fewer blocks than half of them, e.g. B=2 H=8 N=512 at
 # d=128: 64 blocks of 64 x 128 on 132 SMs): a tile that makes twice as many blocks. Measured on the H200
@@ -342,8 +347,8 @@ def choose_forward(dtype, head_dim: int, variant: int, *, seqlen_k: int = 0, com
 
     16-bit dtypes on compute capability 9.0 take the Hopper kernel (flash_fwd_sm90: every variant, varlen,
     KV caches dense or paged); elsewhere the mma.sync kernel. family: forced_family(), where a caller forces
-    one ("mma" on a Hopper GPU; "sm90" raises elsewhere). seqlen_k, where given, lets a long call without
-    window or score modifier take _TILES_WIDE_KEYS's tile; not a KV cache's, whose dense and paged calls read
+    one ("mma" on a Hopper GPU; "sm90" raises elsewhere). seqlen_k, where given, gives a call without
+    window or score modifier _TILES_BY_KEYS's tile; not a KV cache's, whose dense and paged calls read
     the same keys in the same blocks (the same bits), and paged key blocks are powers of two."""
     dt = dtype_name(dtype)
     variant &= ~BACKWARD_ONLY
@@ -356,11 +361,11 @@ def choose_forward(dtype, head_dim: int, variant: int, *, seqlen_k: int = 0, com
     if dt != "bfloat16" or kernel != "flash_fwd":
         variant &= ~BOUNDED
     cfg = _make(kernel, dt, head_dim, variant)
-    wide = _TILES_WIDE_KEYS.get(cfg.kernel, {}).get(cfg.head_dim)
-    if wide and not variant & (HEAVY | WINDOW | FORWARD_ONLY):
-        (bm, bn, warps), min_keys, min_keys_causal = wide
-        if seqlen_k >= (min_keys_causal if variant & LOCAL else min_keys):
-            cfg = dataclasses.replace(cfg, block_m=bm, block_n=bn, warps=warps)
+    by_keys = _TILES_BY_KEYS.get(cfg.kernel, {}).get(cfg.head_dim)
+    if by_keys and not variant & (HEAVY | WINDOW | FORWARD_ONLY):
+        for fewest, (bm, bn, warps) in by_keys[1 if variant & LOCAL else 0]:
+            if seqlen_k >= fewest:
+                cfg = dataclasses.replace(cfg, block_m=bm, block_n=bn, warps=warps)
     return cfg
 
 
@@ -584,6 +589,11 @@ GATED_DECODE_VARIANTS = (SEQUSED, SEQUSED | PAGED, KVCACHE_VARIANTS & ~(ALIBI | 
 GATED_BOUNDED_VARIANTS = (ALL_VARIANTS & ~ALIBI | BOUNDED, KVCACHE_VARIANTS & ~ALIBI | BOUNDED)
 
 
+# The key counts where _TILES_BY_KEYS changes a tile (all_configs takes the tile of each)
+_KEY_STEPS = sorted({keys for by_dim in _TILES_BY_KEYS.values() for by_mask in by_dim.values() for steps in by_mask
+                     for keys, _ in steps})
+
+
 def all_configs() -> list[KernelConfig]:
     """The configs the compile gate checks and `cuflash compile` builds: kvcache_append for every dtype, then
     (GATED_VARIANTS, with the backward's
@@ -606,8 +616,8 @@ def all_configs() -> list[KernelConfig]:
             hopper = [choose_forward(dt, d, v, compute_capability=90)
                       for v in (0, LOCAL, ALL_VARIANTS & ~VARLEN, ALL_VARIANTS, KVCACHE_VARIANTS & ~PAGED,
                                 KVCACHE_VARIANTS)]
-            hopper += [choose_forward(dt, d, v, compute_capability=90, seqlen_k=1 << 30)  # _TILES_WIDE_KEYS'
-                       for v in (0, LOCAL, VARLEN, LOCAL | VARLEN)]
+            hopper += [choose_forward(dt, d, v, compute_capability=90, seqlen_k=keys)  # _TILES_BY_KEYS'
+                       for v in (0, LOCAL, VARLEN, LOCAL | VARLEN) for keys in _KEY_STEPS]
             # the most registers flash_bwd_sm90 serves: every variant dense, and varlen without ALiBi or without
             # dropout (those Hopper configs alone: where it does not serve the head dim, mma.sync ones)
             bwd_all = ALL_VARIANTS & ~(SM90_BWD_UNSERVED | VARLEN)

@@ -9,6 +9,7 @@
 //     memory (fp32 in registers), score modifiers and mask, online softmax, then O += P V by wgmma with P
 //     from registers. S of block i is in flight with P V of block i - 1, and the warpgroups take turns
 //     issuing them, so that one's softmax runs under the others' products (FlashAttention-3's two overlaps).
+//     With one consumer (kBlockM = 64) two blocks share an SM instead (kSm90BlocksPerSm), without turns.
 // A consumer's accumulators are laid out as 16 rows per warp in the mma.sync C layout (wgmma.cuh), so the
 // score modifiers, masks, dropout and online softmax are those of the mma.sync kernel (flash_fwd.cu).
 //

@@ -51,22 +51,44 @@ def test_unknown_dtype():
         config.choose_forward("int8", 64, False)
 
 
-@pytest.mark.parametrize("d,block_n,full,causal", [(128, 176, 4096, 8192), (64, 192, 2048, 2048), (32, 192, 2048, 2048),
-                                                   (256, 80, 2048, 2048)])
-def test_long_hopper_forward_takes_wide_key_blocks(d, block_n, full, causal):
-    """_TILES_WIDE_KEYS: from its key counts on, without and with the causal mask, varlen too; never with a
-    window, a score modifier, a KV cache, or off Hopper."""
-    def cfg(variant, seqlen_k, cc=90, dtype="bfloat16"):
-        return config.choose_forward(dtype, d, variant, seqlen_k=seqlen_k, compute_capability=cc)
+ONE_CONSUMER_64, WIDE_192 = (64, 128, 8), (64, 192, 8)
 
-    for variant, fewest in ((0, full), (config.VARLEN, full), (config.LOCAL, causal)):
-        assert cfg(variant, fewest).block_n == block_n and cfg(variant, fewest + 1).block_n == block_n
-        assert cfg(variant, fewest - 1).block_n != block_n, variant
-        assert cfg(variant, fewest, dtype="float16") in config.all_configs()
+
+@pytest.mark.parametrize("d,full,causal", [
+    (64, [(0, ONE_CONSUMER_64), (2047, ONE_CONSUMER_64), (2048, WIDE_192), (4095, WIDE_192), (4096, (128, 192, 12))],
+     None),
+    (32, [(100, ONE_CONSUMER_64), (3000, WIDE_192), (5000, (128, 192, 12))], None),
+    (128, [(4095, (128, 128, 12)), (4096, (128, 176, 12))], [(8191, (128, 128, 12)), (8192, (128, 176, 12))]),
+    (256, [(2047, (128, 64, 12)), (2048, (128, 80, 12))], None),
+])
+def test_hopper_forward_tile_by_key_count(d, full, causal):
+    """_TILES_BY_KEYS: the tile of a key count, without and with the causal mask (None: as without), varlen too;
+    the base tile with a window, a score modifier, dropout, a KV cache, or off Hopper; every tile gated."""
+    def tile(variant, seqlen_k, cc=90, dtype="bfloat16"):
+        cfg = config.choose_forward(dtype, d, variant, seqlen_k=seqlen_k, compute_capability=cc)
+        return cfg.block_m, cfg.block_n, cfg.warps
+
+    gated = config.all_configs()
+    for variant, steps in ((0, full), (config.VARLEN, full), (config.LOCAL, causal or full)):
+        for seqlen_k, expected in steps:
+            assert tile(variant, seqlen_k) == expected, (variant, seqlen_k)
+            cfg = config.choose_forward("float16", d, variant, seqlen_k=seqlen_k, compute_capability=90)
+            assert cfg in gated, cfg
+    base = config._TILES["flash_fwd_sm90"][config.compiled_head_dim(d, sorted(config._TILES["flash_fwd_sm90"]))]
     for variant in (config.LOCAL | config.WINDOW, config.SOFTCAP, config.ALIBI, config.DROPOUT, config.SEQUSED,
                     config.SEQUSED | config.PAGED):
-        assert cfg(variant, 1 << 20).block_n != block_n, variant
-    assert cfg(0, 1 << 20, cc=80).block_n != block_n
+        for seqlen_k, _ in full:
+            assert tile(variant, seqlen_k) == base, (variant, seqlen_k)
+    assert tile(0, 1 << 20, cc=80)[1] not in (176, 192, 80)
+
+
+def test_one_consumer_blocks_take_half_an_sm():
+    """flash_fwd_sm90 with one consumer: two blocks an SM, each its half of the shared memory (Sm90FwdSmem)."""
+    one = config.KernelConfig("flash_fwd_sm90", "bfloat16", 64, 64, 128, 8, 0)
+    two = dataclasses.replace(one, block_m=128, warps=12)
+    assert (config.sm90_blocks_per_sm(one), config.sm90_blocks_per_sm(two)) == (2, 1)
+    assert 2 * (one.smem_bytes + 1024) <= config.SM90_SMEM_PER_SM < 2 * (two.smem_bytes + 1024)
+    assert (config.sm90_stages(one), config.sm90_stages(two)) == (3, 4)
 
 
 def test_paged_boxes_tile_the_key_blocks():

@@ -55,38 +55,25 @@ def test_families_meet_the_rule_on_the_same_inputs(hopper, dtype, d, causal):
 
 @pytest.mark.parametrize("d", [40, 64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_wide_key_blocks_meet_the_rule(hopper, d, causal):
-    """_TILES_WIDE_KEYS' tiles, just past the key counts that take them: tails in both lengths, GQA, and the
-    bottom-right causal diagonal inside a key block."""
-    variant = config.LOCAL if causal else 0
-    (_, block_n, _), full, causal_min = config._TILES_WIDE_KEYS["flash_fwd_sm90"][64 if d <= 64 else d]
-    sk = (causal_min if causal else full) + 37
-    assert config.choose_forward("bfloat16", d, variant, seqlen_k=sk, compute_capability=90).block_n == block_n
-    q, k, v = _qkv(hopper, f"sm90-wide-{d}-{causal}", "bfloat16", 2, 333, sk, 4, 2, d)
-    o, lse = cuflash.flash_attn_forward(q, k, v, causal=causal)
-    err, bound, lse_err = _forward_error(hopper, "bfloat16", causal, q, k, v, o, lse)
-    assert err <= bound and lse_err <= 1e-4, f"o error {err:.3e} (bound {bound:.3e}), lse {lse_err:.3e}"
-
-
-@pytest.mark.parametrize("d,tile", [(64, (64, 128, 8)), (64, (64, 192, 8)), (128, (64, 64, 8))])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_one_consumer_blocks_meet_the_rule(hopper, monkeypatch, d, tile, causal):
-    """flash_fwd_sm90 with one consumer warpgroup (block_m 64: two blocks an SM, no turns): tails in both
-    lengths, GQA, causal rows that see no key."""
+def test_tiles_by_key_count_meet_the_rule(hopper, d, causal):
+    """Each of _TILES_BY_KEYS' tiles, 37 keys past the count that takes it: tails in both lengths, GQA, the
+    bottom-right causal diagonal inside a key block; one consumer warpgroup (block_m 64, two blocks an SM, no
+    turns) where the tile has one, with causal rows that see no key (seqlen_q > seqlen_k)."""
     from cuflash.backends import cuda
 
-    monkeypatch.setitem(config._TILES["flash_fwd_sm90"], d, tile)
-    monkeypatch.setattr(config, "_TILES_WIDE_KEYS", {})
     cp = hopper.cp
-    for b, sq, sk in ((2, 333, 517), (1, 64, 1000), (3, 200, 130)):
-        q, k, v = _qkv(hopper, f"sm90-one-consumer-{d}-{tile[1]}-{causal}-{sq}", "bfloat16", b, sq, sk, 4, 2, d)
-        o, lse = hopper.nan_like(q), cp.empty((b, 4, sq), cp.float32)
-        launches = cuda.forward_launches(q, k, v, o, lse, causal=causal, softmax_scale=d ** -0.5)
-        assert launches.kernels[0][4] == 256  # threads: a producer warpgroup and one consumer
-        launches.run(cp.cuda.get_current_stream().ptr)
-        err, bound, lse_err = _forward_error(hopper, "bfloat16", causal, q, k, v, o, lse)
-        assert err <= bound and lse_err <= 1e-4, \
-            f"{b, sq, sk}: o error {err:.3e} (bound {bound:.3e}), lse {lse_err:.3e}"
+    steps = config._TILES_BY_KEYS["flash_fwd_sm90"][64 if d <= 64 else d][1 if causal else 0]
+    for fewest, (block_m, block_n, warps) in steps:
+        sk = fewest + 37
+        for b, sq in ((2, 333), (1, sk + 70)):
+            q, k, v = _qkv(hopper, f"sm90-keys-{d}-{causal}-{sk}-{sq}", "bfloat16", b, sq, sk, 4, 2, d)
+            o, lse = hopper.nan_like(q), cp.empty((b, 4, sq), cp.float32)
+            launches = cuda.forward_launches(q, k, v, o, lse, causal=causal, softmax_scale=d ** -0.5)
+            assert launches.kernels[0][1] == config.ceil_div(sq, block_m) and launches.kernels[0][4] == 32 * warps
+            launches.run(cp.cuda.get_current_stream().ptr)
+            err, bound, lse_err = _forward_error(hopper, "bfloat16", causal, q, k, v, o, lse)
+            assert err <= bound and lse_err <= 1e-4, \
+                f"{block_m, block_n} at {b, sq, sk}: o error {err:.3e} (bound {bound:.3e}), lse {lse_err:.3e}"
 
 
 def test_hopper_forward_is_the_default(hopper):
@@ -142,8 +129,8 @@ def test_forcing_sm90_where_it_cannot_serve_raises(hopper):
 @pytest.mark.parametrize("d,cu_q,cu_k", [
     (64, [0, 100, 100, 357, 700], [0, 130, 250, 517, 610]),
     (128, [0, 100, 100, 357, 700], [0, 130, 250, 517, 610]),
-    (128, [0, 300, 600], [0, 4100, 4300]),  # _TILES_WIDE_KEYS' 176-key blocks where not causal
-    (64, [0, 300, 600], [0, 2100, 2300]),  # its 192-key blocks, causal too
+    (128, [0, 300, 600], [0, 4100, 4300]),  # _TILES_BY_KEYS' 176-key blocks where not causal
+    (64, [0, 300, 600], [0, 2100, 2300]),  # its 64 x 192 blocks (one consumer), causal too
 ])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_varlen_forward_on_the_hopper_kernel(hopper, d, cu_q, cu_k, causal):

@@ -40,7 +40,8 @@ s = i % kStages):
   wgmma        per-thread FMA loops marked `# CUDA: wgmma`, complete when they return: S of block i
                and P V of block i - 1 are computed in CUDA's issue order, the softmax after both.
   turns        CUDA's consumers take turns issuing their wgmma (named barriers kTurn + consumer) so
-               that one's softmax runs under the others' products; here they compute in the same phase.
+               that one's softmax runs under the others' products (one consumer: none, and two blocks
+               share an SM); here they compute in the same phase.
   setmaxnreg   no counterpart (the producer gives its registers to the consumers).
 Layout: a consumer's 128 threads share its 64 rows as thread_layout(64, ., 128) says (proto/flash_fwd.py),
 not 16 rows per warp in the mma C layout. The row reductions go through shared memory with block-wide
