@@ -188,7 +188,7 @@ _TILES: dict[str, dict[int, tuple[int, int, int]]] = {
     # Hopper backward: a producer and one consumer per 64 keys; dQ in 64 x 64 tiles, one per consumer or one
     # in all (block_m / 64 * head_dim / 64 of them). Head dims up to 128: dK and dV of 64 keys x the head dim
     # live in registers. At d = 64, 128 x 128 runs out of registers (ptxas serializes the wgmmas).
-    "flash_bwd_sm90": {64: (64, 128, 12), 128: (64, 128, 12)},
+    "flash_bwd_sm90": {64: (64, 128, 12), 128: (64, 128, 12), 256: (64, 64, 12)},
     "flash_bwd": {32: (128, 128, 8), 64: (128, 128, 8), 96: (64, 128, 8), 128: (64, 128, 8),
                   160: (64, 64, 8), 192: (64, 64, 8), 224: (64, 64, 8), 256: (64, 64, 8)},
     # SIMT (float32 / float64): each row must fit both dtypes (double smem <= 163 KiB on sm_80, no spills)
@@ -261,12 +261,12 @@ def smem_bytes(cfg: KernelConfig) -> int:
         return 0
     if cfg.kernel == "flash_bwd_sm90":
         # Sm90BwdSmem: slack, K, V, 2 stages of Q and dO, 2 dS, LSE and D, sDqAcc, d = 64's 2 sDqX, exp2's
-        # scale, mbarriers
-        stages = 2
-        dq_acc = bm * d * 4
+        # scale, mbarriers; split dims (d > 128): 2 P^T, no sDqAcc
+        stages, split_dims = 2, d > 128
+        dq_acc = 0 if split_dims else bm * d * 4
         dq_exchange = 2 * 2 * 2 * 32 * 32 * 4 if bm * d == 64 * 64 else 0
-        return (1024 + (2 * bn * d + 2 * stages * bm * d + 2 * bm * bn) * e + 2 * stages * bm * 4 + dq_acc
-                + dq_exchange + 8 + 8 * (1 + 4 * stages))
+        return (1024 + (2 * bn * d + 2 * stages * bm * d + (4 if split_dims else 2) * bm * bn) * e
+                + 2 * stages * bm * 4 + dq_acc + dq_exchange + 8 + 8 * (1 + 4 * stages))
     if cfg.kernel == "flash_bwd":  # K, V tiles; dS^T tile (and P^T when warps share keys); per stage Q, dO, LSE, D
         warps_sharing_keys = cfg.warps // (bn // 16)  # kWM in flash_bwd.cu
         fixed = 2 * bn * row * e + (2 if warps_sharing_keys > 1 else 1) * bn * (bm + pad) * e
@@ -392,7 +392,7 @@ def choose_backward(dtype, head_dim: int, variant: int, *, key_slabs: int = 0, s
     if family == "sm90" and not hopper:
         raise ValueError("the sm90 kernel family cannot serve this backward: "
                          + ("it needs compute capability 9.0" if compute_capability != 90
-                            else "head dims over 128, KV caches, varlen with ALiBi and dropout, and varlen "
+                            else "KV caches, varlen with ALiBi and dropout, and varlen "
                                  "built by NVRTC 12 run on the mma family"))
     if hopper and family != "mma":
         main = _make("flash_bwd_sm90", dt, head_dim, variant)
@@ -428,6 +428,8 @@ def query_split(cfg: KernelConfig, blocks: int, sms: int) -> bool:
     (QUERY_SPLIT)? Under a causal mask alone the first key blocks visit every query block: halving them halves
     the grid's longest path, where the blocks fit one wave. Otherwise (a sliding window's blocks are alike too)
     twice as many only help where they still fit one wave (sms / 2 clusters: the H200's 132 SMs pair up)."""
+    if cfg.head_dim > 128:  # split dims: rank 0's partials would be rows of dK, dV split over two consumers
+        return False
     return 2 * blocks <= sms or ((cfg.variant & (LOCAL | WINDOW)) == LOCAL and blocks <= sms)
 
 

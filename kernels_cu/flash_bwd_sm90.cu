@@ -25,6 +25,13 @@
 //     block, rank 0 taking the first half of its query blocks and rank 1 the rest (under a causal mask the first
 //     key blocks' pairs, the grid's longest path, take half as long); at the end rank 0 puts its dK and dV into
 //     its shared memory and rank 1 adds them to its own through the cluster's shared memory and stores.
+// kSplitDims (d = 256): dK and dV over 64 keys would take 256 registers a thread. Blocks own 64 keys, and the
+//   two consumers share them: each computes S^T and dP^T for half the queries (wgmma N = 32), and dV, dK and dQ for
+//   half the head dim. P^T and dS^T reach the other consumer through shared memory (sP^T, sdS^T: keys x queries),
+//   and dV, dK take them from there (wgmma A from shared memory), dQ = dS K too (A transposed: dS^T's tile read as
+//   dS). No sDqAcc (no shared memory left for 64 x 256 floats): each consumer adds its 64 x 128 share of dQ into the
+//   accumulator by vector atomics, under kDeterministic once the consumers have waited for the tile's turn; the dQ
+//   and turn warps have nothing to do.
 // Accumulators are in the mma.sync C layout per warp (wgmma.cuh), so masks, score modifiers and dropout are
 // flash_bwd's (for_each_score_t, for_each_keep_t).
 //
@@ -32,7 +39,7 @@
 //   sK, sV [kBlockN rows]; kStages x sQ, kStages x sdO [kBlockM rows]; two sdS [kBlockN / 64 slabs][kBlockM]
 //   [64 keys] (one written while the other may still be read); kStages x LSE offsets and D [kBlockM floats];
 //   sDqAcc [kBlockM rows][dq_accum_row_stride <= kHeadDim floats]; d = 64: two sDqX (as sdS) [from consumer]
-//   [warp % 2][32 floats][32 lanes]; exp2's scale (a float);
+//   [warp % 2][32 floats][32 lanes]; kSplitDims: two sP^T (as sdS) after the sdS, no sDqAcc; exp2's scale (a float);
 //   mbarriers kv_full, q_full[kStages], do_full[kStages], q_empty[kStages], do_empty[kStages]. config.smem_bytes
 //   mirrors it. kQuerySplit: rank 0's dK, dV partials, at the end, over sK, sV, sQ and sdO.
 //
@@ -53,17 +60,19 @@ namespace cuflash {
 
 template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
 struct Sm90BwdSmem {  // byte offsets from the 1024-aligned base
+    static constexpr bool kSplitDims = kHeadDim > 128;
     static constexpr unsigned kKV = kBlockN * kHeadDim * 2;  // sK or sV
     static constexpr unsigned kQ = kBlockM * kHeadDim * 2;   // one stage of sQ or sdO
     static constexpr unsigned kDS = kBlockM * kBlockN * 2;   // one sdS
     static constexpr unsigned kK = 0, kV = kKV, kQs = 2 * kKV, kdOs = kQs + kStages * kQ, kdSs = kdOs + kStages * kQ;
-    static constexpr unsigned kLse = kdSs + 2 * kDS, kD = kLse + kStages * kBlockM * 4;
+    static constexpr unsigned kPs = kdSs + 2 * kDS;  // kSplitDims: two sP^T
+    static constexpr unsigned kLse = kPs + (kSplitDims ? 2 * kDS : 0), kD = kLse + kStages * kBlockM * 4;
     // sDqAcc holds the tile as the accumulator does (rows of dq_accum_row_stride floats, swizzled: no bank
     // conflicts): one bulk reduce adds it (per-row reduces, or padded rows, cost more in the copy engine)
     static constexpr unsigned kDqAcc = kD + kStages * kBlockM * 4;
     // d = 64 (kDqOwnKeys): 2 buffers x 2 consumers x 2 warps x 32 lanes x 32 floats of handed-on dQ partials
     static constexpr bool kDqOwnKeys = kBlockM * kHeadDim == 64 * 64;
-    static constexpr unsigned kDqX = kDqAcc + kBlockM * kHeadDim * 4;
+    static constexpr unsigned kDqX = kDqAcc + (kSplitDims ? 0 : kBlockM * kHeadDim * 4);
     static constexpr unsigned kScale = kDqX + (kDqOwnKeys ? 2 * 2 * 2 * 32 * 32 * 4 : 0);
     static constexpr unsigned kBarriers = kScale + 8;
     static constexpr unsigned kBytes = 1024 + kBarriers + 8 * (1 + 4 * kStages);
@@ -75,23 +84,30 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
     static_assert(sizeof(T) == 2, "tensor-core kernel: __half or __nv_bfloat16");
     static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0, "whole 128-byte swizzle slabs of 64 columns");
     constexpr int kConsumers = kNWarps / 4 - 1;
-    static_assert(kBlockN == 64 * kConsumers, "one consumer warpgroup per 64 keys");
+    constexpr int kStages = 2;
+    using Smem = Sm90BwdSmem<kHeadDim, kBlockM, kBlockN, kStages>;
+    constexpr bool kSplitDims = Smem::kSplitDims;
+    static_assert(kSplitDims ? kBlockN == 64 && kConsumers == 2 : kBlockN == 64 * kConsumers,
+                  "one consumer warpgroup per 64 keys, or two sharing them (kSplitDims)");
+    static_assert(!kSplitDims || (kHeadDim == 256 && kBlockM == 64),
+                  "kSplitDims: 32 queries a consumer (of one 128-byte row a key), 128 dims (two whole slabs)");
     // dQ = dS K in 64 x 64 tiles: one per consumer over all kBlockN keys, or (d = 64) the one tile, each
     // consumer adding its own keys' share
     constexpr int kDqTiles = (kBlockM / 64) * (kHeadDim / 64);
-    static_assert(kDqTiles == kConsumers || kDqTiles == 1, "dQ: a 64 x 64 tile per consumer, or one in all");
-    constexpr bool kDqOwnKeys = kDqTiles == 1;
+    static_assert(kSplitDims || kDqTiles == kConsumers || kDqTiles == 1, "dQ: a 64 x 64 tile per consumer, or one in all");
+    constexpr bool kDqOwnKeys = !kSplitDims && kDqTiles == 1;
     static_assert(!kDqOwnKeys || kConsumers == 2, "d = 64: the partials of two consumers, half the rows each");
     static_assert((kVariant & (kSeqused | kPaged)) == 0, "dense or varlen batches");
     constexpr bool kIsVarlen = (kVariant & kVarlen) != 0;
     constexpr bool kIsDeterministic = (kVariant & kDeterministic) != 0;
     constexpr bool kIsQuerySplit = (kVariant & kQuerySplit) != 0;
     static_assert(!(kIsQuerySplit && kIsDeterministic), "the turns count key blocks, not halves of them");
-    constexpr int kStages = 2;
-    using Smem = Sm90BwdSmem<kHeadDim, kBlockM, kBlockN, kStages>;
+    static_assert(!(kIsQuerySplit && kSplitDims), "rank 0's partials are whole rows of dK, dV");
     static_assert(Smem::kDqOwnKeys == kDqOwnKeys, "Sm90BwdSmem's sDqX");
-    constexpr int kNTilesQ = kBlockM / 8;   // 8-query column groups of S^T
-    constexpr int kNTilesD = kHeadDim / 8;  // 8-dim column groups of dK, dV
+    constexpr int kQueries = kSplitDims ? kBlockM / 2 : kBlockM;  // a consumer's queries of S^T
+    constexpr int kDims = kSplitDims ? kHeadDim / 2 : kHeadDim;   // a consumer's dims of dK, dV (and dQ)
+    constexpr int kNTilesQ = kQueries / 8;  // 8-query column groups of S^T
+    constexpr int kNTilesD = kDims / 8;     // 8-dim column groups of dK, dV
     constexpr unsigned kSlabKV = kBlockN * 128, kSlabQ = kBlockM * 128;  // bytes of one 64-column slab
     constexpr bool kIsDropout = (kVariant & kDropout) != 0;
     constexpr bool kIsSoftcap = (kVariant & kSoftcap) != 0;
@@ -230,7 +246,7 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
                 }
                 mbarrier_arrive(q_full(s));
             }
-        } else if (warp == 2) {
+        } else if (!kSplitDims && warp == 2) {
             // The dQ warp: per pair, once sDqAcc holds the tile (kDqFull), add its rows below seqlen_q into the
             // accumulator (contiguous there: one bulk reduce), and give the buffer back (kDqFree) once the engine
             // has read it. kDeterministic: the reduce waits for the tile's turn (kDqTurn, from the turn warp),
@@ -263,7 +279,7 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
                 }
             }
             bulk_wait<0>();
-        } else if (kIsDeterministic && warp == 3) {
+        } else if (!kSplitDims && kIsDeterministic && warp == 3) {
             // The turn warp: per pair, wait for the dQ tile's turn (the key blocks before this one have added),
             // let the dQ warp add, and once its adds have completed hand the tile on. The release is cumulative:
             // the adds, ordered before it by the barrier and the dQ warp's fence, are visible to whoever acquires
@@ -292,7 +308,9 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
     const int consumer = warpgroup - 1;
     const int tid = threadIdx.x - 128 * warpgroup, warp = tid / 32, lane = tid % 32;
     const int g = lane >> 2, t = lane & 3;
-    const int wg_key0 = 64 * consumer, key_row0 = wg_key0 + 16 * warp;  // first keys inside the block
+    const int wg_key0 = kSplitDims ? 0 : 64 * consumer, key_row0 = wg_key0 + 16 * warp;  // first keys inside the block
+    // kSplitDims: this consumer's first query of S^T and first dim of dK, dV and dQ
+    const int q0 = kSplitDims ? kQueries * consumer : 0, d0 = kSplitDims ? kDims * consumer : 0;
     // This consumer's dQ tile: 64 query rows from dq_row0 x 64 dims from dq_col0, summed over keys from
     // dq_key0 (kDqKeys of them)
     const int dq_tile = kDqOwnKeys ? 0 : consumer;
@@ -337,20 +355,20 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
 #pragma unroll
         for (int ks = 0; ks < kHeadDim / 16; ++ks) {
             const unsigned slab = ks / 4, col_bytes = (ks % 4) * 32;
-            Wgmma<T, kBlockM>::ss(acc_s, smem_desc(sK + slab * kSlabKV + wg_key0 * 128 + col_bytes, 16, 1024),
-                                  smem_desc(sQ(s) + slab * kSlabQ + col_bytes, 16, 1024), ks > 0);
+            Wgmma<T, kQueries>::ss(acc_s, smem_desc(sK + slab * kSlabKV + wg_key0 * 128 + col_bytes, 16, 1024),
+                                   smem_desc(sQ(s) + slab * kSlabQ + q0 * 128 + col_bytes, 16, 1024), ks > 0);
         }
         wgmma_commit();
         mbarrier_wait(do_full(s), phase);
 #pragma unroll
         for (int ks = 0; ks < kHeadDim / 16; ++ks) {
             const unsigned slab = ks / 4, col_bytes = (ks % 4) * 32;
-            Wgmma<T, kBlockM>::ss(acc_dp, smem_desc(sV + slab * kSlabKV + wg_key0 * 128 + col_bytes, 16, 1024),
-                                  smem_desc(sdO(s) + slab * kSlabQ + col_bytes, 16, 1024), ks > 0);
+            Wgmma<T, kQueries>::ss(acc_dp, smem_desc(sV + slab * kSlabKV + wg_key0 * 128 + col_bytes, 16, 1024),
+                                   smem_desc(sdO(s) + slab * kSlabQ + q0 * 128 + col_bytes, 16, 1024), ks > 0);
         }
         wgmma_commit();
-        const float* lse_off = sLse + s * kBlockM;
-        const float* d_rows = sD + s * kBlockM;
+        const float* lse_off = sLse + s * kBlockM + q0;
+        const float* d_rows = sD + s * kBlockM + q0;
         // a per-query row (LSE offsets, D) at acc element [ni][e]'s query: 8 ni + 2t + (e & 1), both of a
         // thread's queries in one 8-byte load
         auto at_query = [&](const float* rows, int ni, int e) {
@@ -362,13 +380,13 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
 
         // [5] Score modifiers, mask, P^T = exp2(S^T * scale_log2 - LSE * log2(e)), dropout
         if constexpr (Mod::kTransform) {
-            for_each_score_t<kNTilesQ>(key_begin + key_row0, row_begin, lane, [&](float& x, int row, int col) {
+            for_each_score_t<kNTilesQ>(key_begin + key_row0, row_begin + q0, lane, [&](float& x, int row, int col) {
                 float dc;
                 x = mod.apply(x, row, col, dc);
             }, acc_s);
         }
         if (mask.template needs_mask<kBlockM, kBlockN>(m_block, n_block)) {
-            for_each_score_t<kNTilesQ>(key_begin + key_row0, row_begin, lane, [&](float& x, int row, int col) {
+            for_each_score_t<kNTilesQ>(key_begin + key_row0, row_begin + q0, lane, [&](float& x, int row, int col) {
                 if (!mask.visible(row, col)) x = neg_inf<float>();
             }, acc_s);
         }
@@ -380,20 +398,37 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
         if constexpr (kIsDropout) {
             // a dropped entry is kept as -P: dV reads max(P, 0) (its 1 / (1 - p) applied at the store), dS
             // below tells kept from dropped by the sign
-            Dropout(p.fwd, batch, head).for_each_keep_t(acc_s, key_begin + key_row0, row_begin, lane,
+            Dropout(p.fwd, batch, head).for_each_keep_t(acc_s, key_begin + key_row0, row_begin + q0, lane,
                                                         [](float& x, bool kept) { if (!kept) x = -x; });
         }
 
         // [6] dV += P^T dO (wgmma, P^T from registers)
-        unsigned a_frag[kBlockM / 16][4];
+        // kSplitDims: P^T into sP^T, its wgmma with dK's and dQ's in [9]
+        unsigned a_frag[kQueries / 16][4];
 #pragma unroll
-        for (int kq = 0; kq < kBlockM / 16; ++kq) acc_to_a<T>(a_frag[kq], acc_s[2 * kq], acc_s[2 * kq + 1], kIsDropout);
-        wgmma_fence();
+        for (int kq = 0; kq < kQueries / 16; ++kq) acc_to_a<T>(a_frag[kq], acc_s[2 * kq], acc_s[2 * kq + 1], kIsDropout);
+        const unsigned p_tile = base + Smem::kPs + (it & 1) * Smem::kDS, ds_tile = sdS + (it & 1) * Smem::kDS;
+        // kSplitDims: a_frag's 8 x 8 tiles into a keys x queries tile (sP^T, sdS^T) as they are: a_frag[kq][j] is
+        // keys key_row0 + 8 (j & 1) + 0..7 by this consumer's queries 16 kq + 8 (j >> 1) + 0..7, a 16-byte chunk
+        // of each key's row; lane l gives the address of tile l / 8's key row l % 8
+        auto store_keys_by_queries = [&](unsigned tile) {
+            const int j = lane / 8, key = key_row0 + 8 * (j & 1) + lane % 8;
 #pragma unroll
-        for (int kq = 0; kq < kBlockM / 16; ++kq)
-            Wgmma<T, kHeadDim>::rs(acc_dv, a_frag[kq], smem_desc(sdO(s) + kq * 16 * 128, kSlabQ, 1024));
-        wgmma_commit();
-        wgmma_wait<1>();  // dP^T has completed; dV may still run
+            for (int kq = 0; kq < kQueries / 16; ++kq) {
+                const int chunk = q0 / 8 + 2 * kq + (j >> 1);
+                stmatrix_x4(tile + key * 128 + ((chunk ^ (key % 8)) * 16), a_frag[kq]);
+            }
+        };
+        if constexpr (kSplitDims) {
+            store_keys_by_queries(p_tile);
+        } else {
+            wgmma_fence();
+#pragma unroll
+            for (int kq = 0; kq < kBlockM / 16; ++kq)
+                Wgmma<T, kHeadDim>::rs(acc_dv, a_frag[kq], smem_desc(sdO(s) + kq * 16 * 128, kSlabQ, 1024));
+            wgmma_commit();
+        }
+        wgmma_wait<kSplitDims ? 0 : 1>();  // dP^T has completed; dV may still run
         fence_operands(acc_dp);
 
         // [7] dS^T = P^T (dP^T - D)
@@ -416,7 +451,8 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
                     // derivatives kept in registers since [5]. P = 0 (masked, underflowed) gives dS = 0
                     const float pv = fabsf(acc_s[ni][e]);
                     const float x = (__log2f(pv) + at_query(lse_off, ni, e)) * inv_scale_log2;
-                    const float dc = mod.dcap_of(x, row_begin + 8 * ni + 2 * t + (e & 1), key_begin + key_row0 + g + 8 * (e >> 1));
+                    const float dc = mod.dcap_of(x, row_begin + q0 + 8 * ni + 2 * t + (e & 1),
+                                                key_begin + key_row0 + g + 8 * (e >> 1));
                     ds = pv == 0.f ? 0.f : ds * dc;
                 }
                 acc_dp[ni][e] = ds;
@@ -425,17 +461,79 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
         // [8] dK += dS^T Q (wgmma, dS^T from registers)
         // Its wgmma is issued in [9], behind dQ's, so that it runs under dQ's stores
 #pragma unroll
-        for (int kq = 0; kq < kBlockM / 16; ++kq) acc_to_a<T>(a_frag[kq], acc_dp[2 * kq], acc_dp[2 * kq + 1]);
+        for (int kq = 0; kq < kQueries / 16; ++kq) acc_to_a<T>(a_frag[kq], acc_dp[2 * kq], acc_dp[2 * kq + 1]);
 
         // [9] dS into shared memory; dQ = dS K (wgmma) into sDqAcc, which the dQ warp adds into dQ_accum
+        if constexpr (kSplitDims) {
+            // dS^T into sdS^T; once both consumers' halves of P^T and dS^T are in, this consumer's dims of
+            // dQ = dS K (A: sdS^T read transposed), dV += P^T dO and dK += dS^T Q, all from shared memory; dQ's
+            // share into the accumulator by atomics while dV's and dK's wgmmas run
+            store_keys_by_queries(ds_tile);
+            fence_proxy_async();  // the stores, then the wgmma that reads them
+            named_barrier_sync(kDsReady, 128 * kConsumers);
+            float acc_dq[kNTilesD][4];
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < kBlockN / 16; ++ks)
+                Wgmma<T, kDims>::ss_t(acc_dq, smem_desc(ds_tile + ks * 16 * 128, Smem::kDS, 1024),
+                                      smem_desc(sK + (d0 / 64) * kSlabKV + ks * 16 * 128, kSlabKV, 1024), ks > 0);
+            wgmma_commit();
+#pragma unroll
+            for (int kq = 0; kq < kBlockM / 16; ++kq)
+                Wgmma<T, kDims>::ss_n(acc_dv, smem_desc(p_tile + kq * 32, 16, 1024),
+                                      smem_desc(sdO(s) + (d0 / 64) * kSlabQ + kq * 16 * 128, kSlabQ, 1024), 1);
+            wgmma_commit();
+#pragma unroll
+            for (int kq = 0; kq < kBlockM / 16; ++kq)
+                Wgmma<T, kDims>::ss_n(acc_dk, smem_desc(ds_tile + kq * 32, 16, 1024),
+                                      smem_desc(sQ(s) + (d0 / 64) * kSlabQ + kq * 16 * 128, kSlabQ, 1024), 1);
+            wgmma_commit();
+            wgmma_wait<2>();  // dQ has completed
+            fence_operands(acc_dq);
+            // kDeterministic: consumer 0's thread 0 waits for the tile's turn, and hands it on once every
+            // consumer thread has issued its adds (the barrier orders them before the release, as in flash_bwd)
+            int* const semaphore = dq_semaphores(p, batch, head) + m_block;
+            const int turn = kIsDeterministic ? dq_turn<kBlockM, kBlockN>(mask, m_block, n_block) : 0;
+            if constexpr (kIsDeterministic) {
+                if (tid == 0 && consumer == 0) {
+                    while (load_acquire(semaphore) != turn) {}
+                }
+                named_barrier_sync(kDqTurn, 128 * kConsumers);
+            }
+            // acc_dq[nd][2h + e]: query row_begin + 16 warp + g + 8h, dim d0 + 8 nd + 2t + e; rows below seqlen_q,
+            // dims the accumulator has (whole 8-column groups), swizzled as flash_bwd_sm90's bulk reduces leave them
+            float* const dq_rows = dq_accum_rows(p, seq, batch, head);
+            const int width = p.dq_accum_row_stride;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = row_begin + 16 * warp + g + 8 * h;
+                if (row < seqlen_q) {
+#pragma unroll
+                    for (int nd = 0; nd < kNTilesD; ++nd)
+                        if (d0 + 8 * nd < width)
+                            red_add_f32x2(dq_rows + row * width + dq_accum_col(row, d0 + 8 * nd + 2 * t, kDqSwizzleSm90),
+                                          acc_dq[nd][2 * h], acc_dq[nd][2 * h + 1]);
+                }
+            }
+            if constexpr (kIsDeterministic) {
+                named_barrier_sync(kDqAdded, 128 * kConsumers);
+                if (tid == 0 && consumer == 0) store_release(semaphore, turn + 1);
+            }
+            wgmma_wait<1>();  // dV has completed: the stage's dO goes back to the producer
+            fence_operands(acc_dv);
+            if (lane == 0) mbarrier_arrive(do_empty(s));
+            wgmma_wait<0>();  // dK has completed: the stage's Q goes back to the producer
+            fence_operands(acc_dk);
+            mbarrier_arrive(q_empty(s));
+            continue;
+        }
         // dS (queries x keys) into sdS, this consumer's 64 keys = slab `consumer`, by stmatrix .trans:
         // a_frag[kq][j] is the 8 x 8 tile of keys 16 warp + 8 (j & 1) + 0..7 (one 16-byte chunk of an sdS row)
         // by queries 16 kq + 8 (j >> 1) + 0..7; lane l gives the address of tile l / 8's query row l % 8
-        const unsigned ds_tile = sdS + (it & 1) * Smem::kDS;
         {
             const int j = lane / 8, chunk = 2 * warp + (j & 1);
 #pragma unroll
-            for (int kq = 0; kq < kBlockM / 16; ++kq) {
+            for (int kq = 0; kq < kQueries / 16; ++kq) {
                 const int q = 16 * kq + 8 * (j >> 1) + lane % 8;
                 stmatrix_x4_trans(ds_tile + consumer * kSlabQ + q * 128 + ((chunk ^ (q % 8)) * 16), a_frag[kq]);
             }
@@ -458,8 +556,8 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
         }
         wgmma_commit();
 #pragma unroll
-        for (int kq = 0; kq < kBlockM / 16; ++kq)
-            Wgmma<T, kHeadDim>::rs(acc_dk, a_frag[kq], smem_desc(sQ(s) + kq * 16 * 128, kSlabQ, 1024));
+        for (int kq = 0; kq < kQueries / 16; ++kq)
+            Wgmma<T, kDims>::rs(acc_dk, a_frag[kq], smem_desc(sQ(s) + kq * 16 * 128, kSlabQ, 1024));
         wgmma_commit();
         wgmma_wait<1>();  // dV and dQ have completed (dK may still run): the stage's dO goes back to the producer
         fence_operands(acc_dq);
@@ -560,21 +658,28 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
     for (int nd = 0; nd < kNTilesD; ++nd) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int r = key_row0 + g + 8 * h;
-            const unsigned offset = (nd / 8) * kSlabKV + r * 128 + (((nd % 8) ^ (r % 8)) * 16) + t * 4;
+            const int r = key_row0 + g + 8 * h, chunk = d0 / 8 + nd;
+            const unsigned offset = (chunk / 8) * kSlabKV + r * 128 + (((chunk % 8) ^ (r % 8)) * 16) + t * 4;
             const unsigned k2 = pack2<T>(acc_dk[nd][2 * h] * dk_scale, acc_dk[nd][2 * h + 1] * dk_scale);
             const unsigned v2 = pack2<T>(acc_dv[nd][2 * h] * dv_scale, acc_dv[nd][2 * h + 1] * dv_scale);
             asm volatile("st.shared.u32 [%0], %1;" ::"r"(sK + offset), "r"(k2) : "memory");
             asm volatile("st.shared.u32 [%0], %1;" ::"r"(sV + offset), "r"(v2) : "memory");
         }
     }
-    named_barrier_sync(kStore + consumer, 128);
+    // kSplitDims: both consumers wrote every key's row; each then stores half of the rows
+    constexpr int kStoreRows = kSplitDims ? 32 : 64;
+    const int store_row0 = kSplitDims ? 32 * consumer : wg_key0;
+    if constexpr (kSplitDims) {
+        named_barrier_sync(kDsReady, 128 * kConsumers);
+    } else {
+        named_barrier_sync(kStore + consumer, 128);
+    }
     T* dk = static_cast<T*>(p.dk) + seq.k_offset(batch, p.dk_batch_stride, p.dk_row_stride) + head_k * p.dk_head_stride;
     T* dv = static_cast<T*>(p.dv) + seq.k_offset(batch, p.dv_batch_stride, p.dv_row_stride) + head_k * p.dv_head_stride;
     constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
 #pragma unroll 4
-    for (int c = tid; c < 64 * kChunks; c += 128) {
-        const int r = wg_key0 + c / kChunks, chunk = c % kChunks;
+    for (int c = tid; c < kStoreRows * kChunks; c += 128) {
+        const int r = store_row0 + c / kChunks, chunk = c % kChunks;
         const int key = key_begin + r;
         if (key < seqlen_k && chunk * 8 < p.fwd.head_dim) {
             const unsigned offset = (chunk / 8) * kSlabKV + r * 128 + (((chunk % 8) ^ (r % 8)) * 16);

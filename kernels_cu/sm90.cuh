@@ -74,6 +74,18 @@ __device__ __forceinline__ void stmatrix_x4_trans(unsigned addr, const unsigned 
                  : "memory");
 }
 
+// The same, stored as they are: lanes 8 i .. 8 i + 7 give the addresses of tile i's rows.
+__device__ __forceinline__ void stmatrix_x4(unsigned addr, const unsigned (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r[0]), "r"(r[1]),
+                 "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
+
+// Two floats added to global memory in one atomic reduction (8-byte aligned; sm_90's vector red)
+__device__ __forceinline__ void red_add_f32x2(float* addr, float a, float b) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(addr), "f"(a), "f"(b) : "memory");
+}
+
 // wgmma shared-memory matrix descriptor of a 128-byte-swizzled tile (see the top of this file): start
 // address, leading and stride byte offsets (both >> 4), swizzle mode 1 (128 bytes) in bits 62-63.
 //   K-major operand (Q, K): lbo unused (16), sbo = 1024 (the next 8 rows); step along K by adding 32 bytes

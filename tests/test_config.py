@@ -223,7 +223,7 @@ def test_hopper_forward_choice():
 
 
 def test_hopper_backward_choice(monkeypatch):
-    """flash_bwd_sm90 is the middle launch of 16-bit backwards on compute capability 9.0, head dims up to 128,
+    """flash_bwd_sm90 is the middle launch of 16-bit backwards on compute capability 9.0, every head dim,
     deterministic or not, every variant, varlen too (built by NVRTC 13 or newer) but for varlen with ALiBi
     and dropout together. The rest run flash_bwd."""
     monkeypatch.setattr(_compile, "nvrtc_major", lambda: 13)
@@ -240,7 +240,7 @@ def test_hopper_backward_choice(monkeypatch):
     assert main(d=64, v=config.DETERMINISTIC).family == "sm90" and main(v=config.DROPOUT).family == "sm90"
     assert main(v=config.VARLEN | config.LOCAL).family == "sm90"
     assert main(d=64, v=config.VARLEN | config.SOFTCAP | config.ALIBI | config.DETERMINISTIC).family == "sm90"
-    for d, v in ((160, 0), (128, config.VARLEN | config.ALIBI | config.DROPOUT), (64, config.ALL_VARIANTS)):
+    for d, v in ((128, config.VARLEN | config.ALIBI | config.DROPOUT), (64, config.ALL_VARIANTS)):
         assert main(d=d, v=v).kernel == "flash_bwd", (d, v)
     assert main(cc=80).kernel == "flash_bwd" and main(family="mma").kernel == "flash_bwd"
     assert main("float32").family == "simt"
@@ -253,6 +253,11 @@ def test_hopper_backward_choice(monkeypatch):
     for d in (64, 128):
         c = main(d=d)
         assert c.block_n == 64 * (c.warps // 4 - 1) and (c.block_m // 64) * (d // 64) in (1, c.warps // 4 - 1)
+        assert c.smem_bytes <= config.SMEM_LIMIT[90]
+    # d = 256 (and 160-224, padded to it): split dims, two consumers sharing 64 keys, deterministic too
+    for d in (160, 256):
+        c = main(d=d, v=config.DETERMINISTIC | config.SOFTCAP)
+        assert (c.kernel, c.head_dim, c.block_m, c.block_n, c.warps) == ("flash_bwd_sm90", 256, 64, 64, 12)
         assert c.smem_bytes <= config.SMEM_LIMIT[90]
 
 
@@ -275,6 +280,9 @@ def test_small_hopper_backward_grids_split_query_blocks():
     assert not split(config.choose_backward("bfloat16", 128, 0, compute_capability=90)[1])  # no grid given
     assert main(family="mma", blocks=8).kernel == "flash_bwd"
     assert config.choose_forward("bfloat16", 128, config.QUERY_SPLIT, compute_capability=90).variant == 0
+    # d = 256 splits its head dim over the consumers instead: never a cluster
+    assert not split(config.choose_backward("bfloat16", 256, config.LOCAL, key_slabs=1, seqlen_k=64, sms=132,
+                                            compute_capability=90)[1])
 
 
 def test_backward_grid():

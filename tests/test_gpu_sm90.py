@@ -156,7 +156,7 @@ def test_varlen_forward_on_the_hopper_kernel(hopper, d, cu_q, cu_k, causal):
             f"sequence {i}: o error {err:.3e} (bound {bound:.3e}), lse {lse_err:.3e}"
 
 
-@pytest.mark.parametrize("d,deterministic", [(64, False), (128, False), (128, True)])
+@pytest.mark.parametrize("d,deterministic", [(64, False), (128, False), (128, True), (256, False), (256, True)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_varlen_backward_on_the_hopper_kernel(hopper, d, deterministic, causal):
     """flash_bwd_sm90 on packed sequences: each meets the accuracy rule against the reference of its rows alone
@@ -230,11 +230,12 @@ def _training_step(gpu, dtype, causal, key, b, sq, sk, h, hk, d):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("d", [40, 64, 96, 128])
+@pytest.mark.parametrize("d", [40, 64, 96, 128, 200, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_backward_families_meet_the_rule_on_the_same_inputs(hopper, dtype, d, causal):
-    """Tails (517 queries, 391 keys: query blocks of 64 and key blocks of 128 cut short), GQA (4 heads on 2),
-    head dims padded to the compiled 64 / 128; causal with rows that see no key."""
+    """Tails (517 queries, 391 keys: query blocks of 64 and key blocks of 128 or 64 cut short), GQA (4 heads on
+    2), head dims padded to the compiled 64 / 128 / 256 (d = 200: dQ's accumulator 224 floats wide, the split
+    dims' second consumer adding 96 of its 128 columns); causal with rows that see no key."""
     for family in ("sm90", "mma"):
         with cuflash.kernel_family(family):
             (q, k, v, do), out = _training_step(hopper, dtype, causal, f"sm90-bwd-{dtype}-{d}-{causal}", 2, 517, 391,
@@ -258,20 +259,20 @@ def test_hopper_backward_is_the_default_where_it_serves(hopper):
     assert isinstance(launches(128), cuda.TmaLaunches)
     assert isinstance(launches(64, deterministic=True), cuda.TmaLaunches)
     assert isinstance(launches(128, softcap=30.0), cuda.TmaLaunches)
-    assert not isinstance(launches(256), cuda.TmaLaunches)
+    assert isinstance(launches(256, deterministic=True), cuda.TmaLaunches)
     with cuflash.kernel_family("mma"):
         assert not isinstance(launches(64), cuda.TmaLaunches)
-    with cuflash.kernel_family("sm90"), pytest.raises(ValueError, match="sm90 kernel family cannot serve"):
-        launches(256)
+        assert not isinstance(launches(256), cuda.TmaLaunches)
 
 
 @pytest.mark.parametrize("family", ["sm90", "mma"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_deterministic_backward_is_bitwise_repeatable(hopper, family, d, causal):
     """deterministic=True, both families: by the rule, and 50 calls bitwise identical. 6 key blocks add into each
-    dQ tile in turn (GQA: the blocks of a kv head visit both of its query heads' tiles); sm90 at d = 64 sums the
-    two consumers' partials of the one dQ tile before the adds. (Windows: test_gpu_variants'
+    dQ tile in turn (d = 256: 11 blocks of 64 keys; GQA: the blocks of a kv head visit both of its query heads'
+    tiles); sm90 at d = 64 sums the two consumers' partials of the one dQ tile before the adds, at d = 256 both
+    consumers add their halves of the tile's columns in its turn. (Windows: test_gpu_variants'
     test_variant_deterministic, whose dense 16-bit cases run the sm90 family here.)"""
     (q, k, v, do), (o, lse, *_) = _training_step(hopper, "bfloat16", causal, f"sm90-det-{d}-{causal}", 2, 517, 700,
                                                  4, 2, d)

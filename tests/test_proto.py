@@ -119,10 +119,12 @@ SM90_CASES = {
 # variants). The smallest tiles the kernel's roles allow: two consumers of 64 keys (block_n = 128, warps = 12),
 # block_m = 64; 384 threads, a few seconds per (query head, query block) pair. dQ's 64 x 64 tiles: at cfg head
 # dim 64 one in all (each consumer's partial over its own keys, summed through sDqX, each consumer writing half
-# the rows), at 128 a tile each, over all keys. O and LSE from the NumPy backend; plain cases against
-# cuflash.reference, those with variants against the NumPy backend. "deterministic": True (not a backend
-# variant: _sm90_backward takes it) sets DETERMINISTIC, the turn warp's order of the dQ warp's adds;
-# "query_split": True likewise QUERY_SPLIT, each key block's query blocks split over two blocks.
+# the rows), at 128 a tile each, over all keys; at 256 (split dims) two consumers sharing 64 keys (block_n = 64,
+# warps = 12), each adding its half of dQ's columns straight into the accumulator. O and LSE from the NumPy
+# backend; plain cases against cuflash.reference, those with variants against the NumPy backend.
+# "deterministic": True (not a backend variant: _sm90_backward takes it) sets DETERMINISTIC, the turn warp's
+# order of the dQ warp's adds (split dims: the consumers' adds); "query_split": True likewise QUERY_SPLIT, each
+# key block's query blocks split over two blocks.
 SM90_BWD_CASES = {
     # 2 query heads x 2 query blocks: each stage of the ring is used twice (the producer waits on q_empty,
     # do_empty); rows 0 .. 39 see no key
@@ -165,6 +167,22 @@ SM90_BWD_CASES = {
     "sm90_bwd_f16_varlen_query_split_softcap": (2, 200, 160, 1, 1, 64, True, "float16", (64, 64, 128, 12),
                                                 {"varlen": ([0, 70, 190], [0, 60, 150]), "softcap": 2.0,
                                                  "query_split": True}),
+    # d = 256, split dims: two consumers sharing 64 keys, each S^T and dP^T for half the queries, dK, dV and dQ
+    # for half the dims. Tails (36 queries, 26 keys), GQA, rows 0 .. 9 seeing no key; key block 1 visits query
+    # block 1 only
+    "sm90_bwd_f32_d256_split_dims_causal_gqa": (1, 100, 90, 2, 1, 256, True, "float32", (256, 64, 64, 12), {}),
+    # 3 key blocks add into each dQ tile in turn, both consumers' halves of its columns
+    "sm90_bwd_f32_d256_split_dims_deterministic": (1, 70, 150, 1, 1, 256, False, "float32", (256, 64, 64, 12),
+                                                   {"deterministic": True}),
+    # varlen: sequence 0's second key block and its query block run into sequence 1 (zeroed by both consumers)
+    "sm90_bwd_f32_d256_split_dims_varlen_causal": (2, 100, 110, 1, 1, 256, True, "float32", (256, 64, 64, 12),
+                                                   {"varlen": ([0, 40, 100], [0, 70, 110])}),
+    # d = 200 on the compiled 256: dq_accum 224 wide (the second consumer adds 96 of its 128 columns), dK, dV
+    # past 200 not stored; ALiBi, the softcap's derivative and dropout's flags at the second consumer's queries
+    "sm90_bwd_f16_d200_split_dims_softcap_alibi_dropout": (1, 60, 100, 1, 1, 200, True, "float16",
+                                                           (256, 64, 64, 12),
+                                                           {"softcap": 2.0, "alibi": (1,), "dropout_p": 0.2,
+                                                            "seed": 0x2468ACE, "offset": 5}),
 }
 
 # run twice: the deterministic dq bitwise the same
@@ -355,7 +373,8 @@ def _sm90_backward(do, q, k, v, o, lse, *, causal, softmax_scale, cfg, determini
     import dataclasses
 
     from cuflash.backends import numba as nb
-    from cuflash.config import DETERMINISTIC, QUERY_SPLIT, SEMAPHORE_ROWS, backward_grid, dtype_name
+    from cuflash.config import (DETERMINISTIC, QUERY_SPLIT, SEMAPHORE_ROWS, backward_grid, compiled_head_dim,
+                                dtype_name)
     from cuflash.proto.flash_bwd import make_flash_bwd_postprocess, make_flash_bwd_preprocess
     from cuflash.proto.flash_bwd_sm90 import make_flash_bwd_sm90
 
@@ -368,7 +387,8 @@ def _sm90_backward(do, q, k, v, o, lse, *, causal, softmax_scale, cfg, determini
     acc = np.float64 if dt == "float64" else np.float32
     dq, dk, dv = (np.empty(x.shape, work) for x in (q, k, v))
     dsum = np.empty((slabs, h, rows), acc)
-    dq_accum = np.empty((slabs, h, rows, d), acc)
+    # as wide as CUDA's (dq_accum_row_stride: config.compiled_head_dim, the call's head dim up to a multiple of 32)
+    dq_accum = np.empty((slabs, h, rows, compiled_head_dim(d)), acc)
     cfg = dataclasses.replace(cfg, variant=cfg.variant | (DETERMINISTIC if deterministic else 0)
                               | (QUERY_SPLIT if query_split else 0))
     n_blocks = -(-sk // cfg.block_n)
@@ -424,6 +444,10 @@ def _sm90_bwd_refusals() -> list[str]:
         make_flash_bwd_sm90(KernelConfig("flash_bwd_sm90", "float16", 64, 64, 128, 12, DETERMINISTIC))
     except ValueError as e:
         fails.append(f"deterministic refused: {e}")
+    try:  # d = 256: split dims, the consumers taking the turns
+        make_flash_bwd_sm90(KernelConfig("flash_bwd_sm90", "float16", 256, 64, 64, 12, DETERMINISTIC | VARLEN))
+    except ValueError as e:
+        fails.append(f"split dims refused: {e}")
     bad = [KernelConfig("flash_bwd_sm90", "float16", 64, 64, 128, 12, bits)
            for bits in (SEQUSED, PAGED, VARLEN | ALIBI | DROPOUT)]
     bad += [KernelConfig("flash_bwd", "float16", 64, 64, 128, 12, 0),  # another kernel
@@ -433,7 +457,15 @@ def _sm90_bwd_refusals() -> list[str]:
             KernelConfig("flash_bwd_sm90", "float16", 96, 64, 128, 12, 0),  # head_dim not whole slabs
             KernelConfig("flash_bwd_sm90", "float16", 128, 128, 128, 12, 0),  # 4 dQ tiles for 2 consumers
             KernelConfig("flash_bwd_sm90", "float16", 64, 64, 64, 8, 0),  # one dQ tile, one consumer (no sDqX partner)
-            KernelConfig("flash_bwd_sm90", "float16", 64, 64, 128, 12, DETERMINISTIC | QUERY_SPLIT)]
+            KernelConfig("flash_bwd_sm90", "float16", 64, 64, 128, 12, DETERMINISTIC | QUERY_SPLIT),
+            # split dims: two consumers sharing 64 keys, 64 query rows, the head dim in two halves of whole slabs,
+            # no cluster
+            KernelConfig("flash_bwd_sm90", "float16", 256, 64, 128, 12, 0),
+            KernelConfig("flash_bwd_sm90", "float16", 256, 64, 64, 8, 0),
+            KernelConfig("flash_bwd_sm90", "float16", 256, 64, 128, 16, 0),
+            KernelConfig("flash_bwd_sm90", "float16", 256, 128, 64, 12, 0),
+            KernelConfig("flash_bwd_sm90", "float16", 192, 64, 64, 12, 0),
+            KernelConfig("flash_bwd_sm90", "float16", 256, 64, 64, 12, QUERY_SPLIT)]
     for cfg in bad:
         try:
             make_flash_bwd_sm90(cfg)
@@ -960,10 +992,11 @@ def test_sim_sm90_backward_deterministic_turns(sim, name):
 
 
 def test_sim_sm90_backward_refusals(sim):
-    """make_flash_bwd_sm90 builds deterministic; raises ValueError for seqused, paged, varlen with ALiBi and
-    dropout, another kernel, a
+    """make_flash_bwd_sm90 builds deterministic, and d = 256's split dims; raises ValueError for seqused, paged,
+    varlen with ALiBi and dropout, another kernel, a
     block_n or warps that are not whole warpgroups, block_m or head_dim not whole 64-column slabs, dQ tiles
-    neither one per consumer nor one in all, and one tile in all without two consumers to share it."""
+    neither one per consumer nor one in all, one tile in all without two consumers to share it, and split dims
+    other than d = 256 over 64 keys, 64 queries and two consumers, or with QUERY_SPLIT."""
     failure = str(sim["sm90_bwd_refusals/failure"])
     assert not failure, failure
 

@@ -2,9 +2,11 @@
 
 `make_flash_bwd_sm90(cfg)` turns a KernelConfig of kernel "flash_bwd_sm90" into a kernel as make_flash_bwd
 does (proto/flash_bwd.py): head_dim (a multiple of 64: whole swizzle slabs), block_m (a multiple of 64),
-block_n (64 keys per consumer warpgroup), warps (4 per warpgroup: 4 * (1 + block_n / 64)), the variant bits
-and the accumulator type are closure constants. It runs between flash_bwd.py's preprocess and postprocess
-(D, the zeroed dq_accum; dQ = dq_accum * softmax_scale), with make_flash_bwd's arguments and grid:
+block_n (64 keys per consumer warpgroup), warps (4 per warpgroup: 4 * (1 + block_n / 64)) or, at head_dim 256
+(SPLIT_DIMS), block_m 64, block_n 64 and 12 warps (two consumers sharing the keys), the variant bits and the
+accumulator type are closure constants. It runs between flash_bwd.py's preprocess and postprocess
+(D, the zeroed dq_accum; dQ = dq_accum * softmax_scale), with make_flash_bwd's arguments and grid (dq_accum's
+width may exceed the call's head_dim, as CUDA's dq_accum_row_stride: its extra columns take dQ's zeros):
 
     grid config.backward_grid(cfg, nheads_k, seqlen_k, batch), block (warps * 32,)
     kernel[grid, block](q, k, v, do, lse, dsum, dk, dv, dq_accum, semaphore, partial, softmax_scale, scale_log2,
@@ -35,6 +37,14 @@ DETERMINISTIC: key blocks add into each dQ tile first to last while each visits 
 first (flash_bwd.py's backward_pair and dq_turn, as backward.cuh); producer warp 3, the turn warp, waits for
 each pair's turn, lets the dQ warp add (kDqTurn) and hands the tile on once the adds have completed
 (kDqAdded).
+SPLIT_DIMS (CUDA's kSplitDims, d = 256, where dK and dV over 64 keys would take 256 registers a thread): both
+consumers own the block's 64 keys. Consumer c computes S^T, dP^T, P^T and dS^T for queries q0 = 32 c .. 32 c + 31
+only and puts P^T and dS^T into keys x queries tiles, sPt and sdS (by it & 1); once both halves are in
+(kDsReady), it computes for dims d0 = 128 c .. 128 c + 127 dQ = dS K (all 64 queries, from sdS read
+transposed), dV += P^T dO and dK += dS^T Q (its A operands from shared memory), and adds its share of dQ into
+dq_accum itself (no sDqAcc: the dQ and turn warps idle). DETERMINISTIC: consumer 0's thread 0 waits for the
+tile's turn (kDqTurn, both consumers), and hands it on after every consumer thread's adds (kDqAdded). [10]:
+each consumer writes its dims of every key into sK, sV, then (kDsReady) stores keys 32 c .. 32 c + 31.
 
 What stands in for Hopper's machinery, as in proto/flash_fwd_sm90.py (the kernel's names are kept; stage is
 CUDA's s = it % kStages):
@@ -49,17 +59,23 @@ CUDA's s = it % kStages):
                that would block, or find the barrier a phase further, raises (a broken schedule).
   wgmma        per-thread FMA loops marked `# CUDA: wgmma`, complete when they return.
   registers    the A operands CUDA keeps in registers (P^T for dV, dS^T for dK: a_frag) go through
-               shared memory (sA), since a thread's partner holds the other half of its key's row.
+               shared memory (sA), since a thread's partner holds the other half of its key's row
+               (SPLIT_DIMS: none, CUDA's are in shared memory too).
   named bars   CUDA's kDsReady (every consumer), kStore + consumer (one warpgroup), kDqX (the consumers),
                kDqFree and kDqFull (the consumers and the dQ warp), kDqTurn and kDqAdded (the dQ and turn
-               warps) are syncthreads.
-  bulk reduce  the dQ warp's lane 0 adds sDqAcc's rows below seqlen_q element by element, the call's
-               head_dim columns (CUDA: one reduce of those rows, contiguous in sDqAcc as in the accumulator,
-               whose rows are the compiled head dim wide; then a wait until the engine has read sDqAcc, or
-               with DETERMINISTIC until the adds have completed).
+               warps; SPLIT_DIMS the consumers) are syncthreads.
+  bulk reduce  the dQ warp's lane 0 adds sDqAcc's rows below seqlen_q element by element, dq_accum's
+               columns (CUDA: one reduce of those rows, contiguous in sDqAcc as in the accumulator, whose rows
+               are the compiled head dim wide; then a wait until the engine has read sDqAcc, or with
+               DETERMINISTIC until the adds have completed).
+  atomics      SPLIT_DIMS: each consumer thread adds its dQ share element by element (CUDA: red.global.add.v2.f32).
+  swizzle      none: dq_accum's columns are plain here (CUDA's sDqAcc and accumulator chunks of 8 columns
+               are swizzled by dq_accum_col, which the postprocess undoes).
   setmaxnreg   no counterpart.
 Layout: a consumer's 128 threads hold its 64 keys two to a key (thread_layout(64, ., 128), proto/flash_fwd.py),
 each half of the key's queries (S^T, dP^T) and dims (dK, dV); the dQ tile likewise two threads to a query row.
+SPLIT_DIMS: the same over the consumer's 32 queries and 128 dims; its dQ share (64 queries x 128 dims) two
+threads to a query row.
 The producer warpgroup's threads pass every barrier holding nothing (CUDA's producer has returned).
 
 Arithmetic is proto/flash_bwd.py's: acc_t accumulation, dot products summed in order, P and dS not rounded to
@@ -96,22 +112,35 @@ def make_flash_bwd_sm90(cfg):
         raise ValueError(f"flash_bwd_sm90 serves no KV cache: not {', '.join(names)}")
     if cfg.variant & VARLEN and cfg.variant & SM90_BWD_VARLEN_UNSERVED == SM90_BWD_VARLEN_UNSERVED:
         raise ValueError("flash_bwd_sm90 does not serve varlen with ALiBi and dropout together (CUDA's spills)")
-    if cfg.block_n <= 0 or cfg.block_n % WG_KEYS or cfg.warps != 4 * (1 + cfg.block_n // WG_KEYS):
+    # kSplitDims (head_dim > 128): dK and dV over 64 keys would take 256 registers a thread in CUDA; the two
+    # consumers share 64 keys, each taking half the queries of S^T, dP^T and half the dims of dK, dV, dQ
+    SPLIT_DIMS = cfg.head_dim > 128
+    if SPLIT_DIMS:
+        if cfg.block_n != WG_KEYS or cfg.warps != 12:
+            raise ValueError(f"flash_bwd_sm90: head_dim > 128 (split dims) takes block_n {WG_KEYS} and warps 12 (a "
+                             f"producer and two consumer warpgroups sharing the keys), got block_n={cfg.block_n}, "
+                             f"warps={cfg.warps}")
+    elif cfg.block_n <= 0 or cfg.block_n % WG_KEYS or cfg.warps != 4 * (1 + cfg.block_n // WG_KEYS):
         raise ValueError(f"flash_bwd_sm90: block_n must be a multiple of {WG_KEYS} and warps 4 * (1 + block_n / "
                          f"{WG_KEYS}) (a producer and one consumer warpgroup per {WG_KEYS} keys), got "
                          f"block_n={cfg.block_n}, warps={cfg.warps}")
     if cfg.head_dim <= 0 or cfg.head_dim % 64 or cfg.block_m <= 0 or cfg.block_m % 64:
         raise ValueError(f"flash_bwd_sm90: head_dim and block_m must be whole 64-column slabs, got "
                          f"head_dim={cfg.head_dim}, block_m={cfg.block_m}")
+    if SPLIT_DIMS and (cfg.head_dim != 256 or cfg.block_m != 64):
+        # CUDA: each consumer's dims whole slabs (d0's descriptors) and a wgmma N it has (128); dQ = dS K one
+        # wgmma's 64 query rows, and sP^T, sdS^T rows of 64 queries (one 128-byte row a key)
+        raise ValueError(f"flash_bwd_sm90: split dims take head_dim 256 and block_m 64, got head_dim={cfg.head_dim}, "
+                         f"block_m={cfg.block_m}")
     HEAD_DIM = cfg.head_dim
     BLOCK_M = cfg.block_m
     BLOCK_N = cfg.block_n
     CONSUMERS = cfg.warps // 4 - 1  # kConsumers
     DQ_TILES = (BLOCK_M // DQ_TILE) * (HEAD_DIM // DQ_TILE)  # kDqTiles
-    if DQ_TILES not in (CONSUMERS, 1):
+    if not SPLIT_DIMS and DQ_TILES not in (CONSUMERS, 1):
         raise ValueError(f"flash_bwd_sm90: dQ takes a 64 x 64 tile per consumer or one in all, got {DQ_TILES} "
                          f"tiles for {CONSUMERS} consumers")
-    DQ_OWN_KEYS = DQ_TILES == 1  # kDqOwnKeys: each consumer computes the one tile over its own keys
+    DQ_OWN_KEYS = not SPLIT_DIMS and DQ_TILES == 1  # kDqOwnKeys: each consumer computes the one tile over its own keys
     if DQ_OWN_KEYS and CONSUMERS != 2:
         raise ValueError(f"flash_bwd_sm90: one dQ tile in all (head_dim={HEAD_DIM}, block_m={BLOCK_M}) takes the "
                          f"partials of two consumers, half the rows each, got {CONSUMERS}")
@@ -123,19 +152,32 @@ def make_flash_bwd_sm90(cfg):
     if IS_QUERY_SPLIT and IS_DETERMINISTIC:
         raise ValueError("flash_bwd_sm90: QUERY_SPLIT does not take DETERMINISTIC (the turns count key blocks, not "
                          "halves of them)")
+    if IS_QUERY_SPLIT and SPLIT_DIMS:
+        raise ValueError("flash_bwd_sm90: QUERY_SPLIT does not take split dims (rank 0's partials are whole rows of "
+                         "dK, dV)")
+    QUERIES = BLOCK_M // 2 if SPLIT_DIMS else BLOCK_M  # kQueries: a consumer's queries of S^T
+    DIMS = HEAD_DIM // 2 if SPLIT_DIMS else HEAD_DIM  # kDims: a consumer's dims of dK, dV (and dQ)
+    STORE_ROWS = BLOCK_N // 2 if SPLIT_DIMS else WG_KEYS  # kStoreRows: the dK, dV rows a consumer stores
     DQ_WARP = 2  # the producer warpgroup's warp that adds sDqAcc into dq_accum
     TURN_WARP = 3  # and the one that keeps the dQ tiles' turns (DETERMINISTIC)
     SIMULATED = bool(numba_config.ENABLE_CUDASIM)  # blocks one after another: a turn never comes by waiting
     ACC = acc_type(cfg.dtype)
-    # A consumer thread's share: key wg_key0 + tid // TPR, queries (S^T) / dims (dK, dV) lane + j * TPR;
-    # of the dQ tile, query row tid // TPR, dims lane + j * TPR
-    TPR, _, _, S_CPT = thread_layout(WG_KEYS, BLOCK_M, WARPGROUP)
-    D_CPT = thread_layout(WG_KEYS, HEAD_DIM, WARPGROUP)[3]
-    DQ_CPT = thread_layout(DQ_TILE, DQ_TILE, WARPGROUP)[3]
+    # A consumer thread's share: key wg_key0 + tid // TPR, queries (S^T) q0 + lane + j * TPR, dims (dK, dV)
+    # d0 + lane + j * TPR; of the dQ tile, query row tid // TPR, dims lane + j * TPR (SPLIT_DIMS: of all 64
+    # queries, d0 + lane + j * TPR)
+    TPR, _, _, S_CPT = thread_layout(WG_KEYS, QUERIES, WARPGROUP)
+    D_CPT = thread_layout(WG_KEYS, DIMS, WARPGROUP)[3]
+    DQ_CPT = thread_layout(BLOCK_M, DIMS, WARPGROUP)[3] if SPLIT_DIMS else thread_layout(DQ_TILE, DQ_TILE, WARPGROUP)[3]
     # kDqOwnKeys: consumer warp w holds dQ rows 16 w .. 16 w + 15 (dq_r = tid // TPR, TPR = 2), as CUDA's does;
     # sDqX [it & 1][from consumer][row % 32][col]: CUDA's 2 x 2 x (2 warps x 32 floats x 32 lanes)
     assert TPR == 2 and thread_layout(DQ_TILE, DQ_TILE, WARPGROUP)[0] == TPR
     DQX_SHAPE = (2, 2, 32, DQ_TILE) if DQ_OWN_KEYS else (1, 1, 1, 1)
+    # SPLIT_DIMS: dS^T and P^T in keys x queries tiles (CUDA's sdS^T over sdS's bytes, sP^T), their wgmmas' A
+    # operands from shared memory (no sA), and no sDqAcc
+    SDS_SHAPE = (2, BLOCK_N, BLOCK_M) if SPLIT_DIMS else (2, BLOCK_M, BLOCK_N)
+    SPT_SHAPE = (2, BLOCK_N, BLOCK_M) if SPLIT_DIMS else (1, 1, 1)
+    SA_SHAPE = (1, 1, 1) if SPLIT_DIMS else (2, BLOCK_N, BLOCK_M)
+    DQ_ACC_SHAPE = (1, 1) if SPLIT_DIMS else (BLOCK_M, HEAD_DIM)
     # mbarriers: indices into `bars`, in the kernel's order; arrivals a phase
     KV_FULL = 0
     N_BARS = 1 + 4 * STAGES
@@ -252,48 +294,49 @@ def make_flash_bwd_sm90(cfg):
             b[first + e // HEAD_DIM, e % HEAD_DIM] = 0
 
     @cuda.jit(device=True)
-    def issue_s_dp(it, acc_s, acc_dp, bars, sK, sV, sQ, sdO, key, lane):
+    def issue_s_dp(it, acc_s, acc_dp, bars, sK, sV, sQ, sdO, key, q0, lane):
         # [4] S^T = K Q^T and dP^T = V dO^T (wgmma from shared memory)
+        # This consumer's queries from q0 (SPLIT_DIMS: half of them, wgmma N = 32)
         stage = it % STAGES
         phase = it // STAGES
         mbarrier_wait(bars, q_full(stage), phase, Q_FULL_COUNT)
         for j in range(S_CPT):
-            c = lane + j * TPR
+            c = q0 + lane + j * TPR
             x = ACC(0)
             for d in range(HEAD_DIM):  # CUDA: wgmma (K, Q from shared memory; fp32 in registers)
                 x += sK[key, d] * sQ[stage, c, d]
             acc_s[j] = x
         mbarrier_wait(bars, do_full(stage), phase, FULL_COUNT)
         for j in range(S_CPT):
-            c = lane + j * TPR
+            c = q0 + lane + j * TPR
             x = ACC(0)
             for d in range(HEAD_DIM):  # CUDA: wgmma (V, dO from shared memory)
                 x += sV[key, d] * sdO[stage, c, d]
             acc_dp[j] = x
 
     @cuda.jit(device=True)
-    def p_of(it, acc_s, sLse, col, lane, row_begin, m_block, n_block, seqlen_q, seqlen_k, window_left,
+    def p_of(it, acc_s, sLse, col, q0, lane, row_begin, m_block, n_block, seqlen_q, seqlen_k, window_left,
              window_right, tanh_in, bias, score_log2, seed_lo, seed_hi, bh, offset, dropout_threshold):
         # [5] Score modifiers, mask, P^T = exp2(S^T * scale_log2 - LSE * log2(e)), dropout
-        # This thread's scores: key col, queries row_begin + lane + j * TPR
+        # This thread's scores: key col, queries row_begin + q0 + lane + j * TPR
         shift = seqlen_k - seqlen_q
         if TRANSFORM:
             for j in range(S_CPT):
-                acc_s[j] = score_mod(IS_SOFTCAP, IS_ALIBI, tanh_in, bias, shift, acc_s[j], row_begin + lane + j * TPR,
-                                     col)[0]
+                acc_s[j] = score_mod(IS_SOFTCAP, IS_ALIBI, tanh_in, bias, shift, acc_s[j],
+                                     row_begin + q0 + lane + j * TPR, col)[0]
         if needs_mask(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, m_block, n_block):
             for j in range(S_CPT):
-                if not visible(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, row_begin + lane + j * TPR,
-                               col):
+                if not visible(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k,
+                               row_begin + q0 + lane + j * TPR, col):
                     acc_s[j] = -math.inf
         stage = it % STAGES
         for j in range(S_CPT):
-            acc_s[j] = math.exp2(acc_s[j] * score_log2 - sLse[stage, lane + j * TPR])
+            acc_s[j] = math.exp2(acc_s[j] * score_log2 - sLse[stage, q0 + lane + j * TPR])
         if IS_DROPOUT:
             # a dropped entry is kept as -P: dV reads max(P, 0) (its 1 / (1 - p) applied at the store), dS
             # tells kept from dropped by the sign
             for j in range(S_CPT):
-                if not keep(seed_lo, seed_hi, bh, offset, dropout_threshold, row_begin + lane + j * TPR, col):
+                if not keep(seed_lo, seed_hi, bh, offset, dropout_threshold, row_begin + q0 + lane + j * TPR, col):
                     acc_s[j] = -acc_s[j]
 
     @cuda.jit(device=True)
@@ -305,18 +348,29 @@ def make_flash_bwd_sm90(cfg):
             sA[which, key, lane + j * TPR] = max(x, ACC(0)) if relu else x
 
     @cuda.jit(device=True)
-    def issue_dv(it, acc_dv, sA, sdO, key, lane):
+    def store_keys_by_queries(tile, it, acc, key, q0, lane, relu):
+        # SPLIT_DIMS: this consumer's queries of P^T (sPt) or dS^T (sdS), its acc_to_a fragments, into the
+        # pair's keys x queries tile (by it & 1: one written while the other consumer may still read the last
+        # pair's), where both consumers' wgmmas of [9] read them (CUDA: stmatrix, swizzled)
+        for j in range(S_CPT):
+            x = acc[j]
+            tile[it & 1, key, q0 + lane + j * TPR] = max(x, ACC(0)) if relu else x
+
+    @cuda.jit(device=True)
+    def issue_dv(it, acc_dv, a_src, a_tile, sdO, key, d0, lane):
         # [6] dV += P^T dO (wgmma, P^T from registers)
+        # P^T: a_src[a_tile], sA[0] (CUDA: registers), SPLIT_DIMS sPt[it & 1] (CUDA: from shared memory too,
+        # issued in [9]), every query of it; this consumer's dims from d0
         stage = it % STAGES
         for j in range(D_CPT):
-            c = lane + j * TPR
+            c = d0 + lane + j * TPR
             a = acc_dv[j]
             for r in range(BLOCK_M):  # CUDA: wgmma (P^T from registers, dO from shared memory)
-                a += sA[0, key, r] * sdO[stage, r, c]
+                a += a_src[a_tile, key, r] * sdO[stage, r, c]
             acc_dv[j] = a
 
     @cuda.jit(device=True)
-    def ds_of(it, acc_s, acc_dp, sD, sLse, col, lane, row_begin, seqlen_q, seqlen_k, bias, score_log2,
+    def ds_of(it, acc_s, acc_dp, sD, sLse, col, q0, lane, row_begin, seqlen_q, seqlen_k, bias, score_log2,
               dropout_scale):
         # [7] dS^T = P^T (dP^T - D)
         # D belongs to the query (column). Dropout: dL/dP is dP / (1 - p) where kept and 0 where dropped
@@ -324,7 +378,7 @@ def make_flash_bwd_sm90(cfg):
         stage = it % STAGES
         shift = seqlen_k - seqlen_q
         for j in range(S_CPT):
-            d = sD[stage, lane + j * TPR]
+            d = sD[stage, q0 + lane + j * TPR]
             if IS_DROPOUT:
                 if acc_s[j] >= 0:
                     ds = acc_s[j] * (acc_dp[j] * dropout_scale - d)
@@ -339,19 +393,21 @@ def make_flash_bwd_sm90(cfg):
                 if pv == 0:
                     ds = ACC(0)
                 else:
-                    x = (math.log2(pv) + sLse[stage, lane + j * TPR]) / score_log2
-                    ds *= dcap_of(IS_ALIBI, bias, shift, x, row_begin + lane + j * TPR, col)
+                    x = (math.log2(pv) + sLse[stage, q0 + lane + j * TPR]) / score_log2
+                    ds *= dcap_of(IS_ALIBI, bias, shift, x, row_begin + q0 + lane + j * TPR, col)
             acc_dp[j] = ds
 
     @cuda.jit(device=True)
-    def issue_dk(it, acc_dk, sA, sQ, key, lane):
+    def issue_dk(it, acc_dk, a_src, a_tile, sQ, key, d0, lane):
         # [8] dK += dS^T Q (wgmma, dS^T from registers)
+        # dS^T: a_src[a_tile], sA[1] (CUDA: registers), SPLIT_DIMS sdS[it & 1] (CUDA: sdS^T, issued in [9]),
+        # every query of it; this consumer's dims from d0
         stage = it % STAGES
         for j in range(D_CPT):
-            c = lane + j * TPR
+            c = d0 + lane + j * TPR
             a = acc_dk[j]
             for r in range(BLOCK_M):  # CUDA: wgmma (dS^T from registers, Q from shared memory)
-                a += sA[1, key, r] * sQ[stage, r, c]
+                a += a_src[a_tile, key, r] * sQ[stage, r, c]
             acc_dk[j] = a
 
     @cuda.jit(device=True)
@@ -365,7 +421,16 @@ def make_flash_bwd_sm90(cfg):
     @cuda.jit(device=True)
     def issue_dq(it, acc_dq, sdS, sK, dq_row0, dq_col0, dq_key0, row, lane):
         # This consumer's 64 x 64 tile of dS K: query row dq_row0 + row, dims dq_col0 + lane + j * TPR
+        # (SPLIT_DIMS: 64 x 128, dims from d0, over every key; A is sdS^T read as dS, CUDA's transposed wgmma)
         ds_tile = it & 1
+        if SPLIT_DIMS:
+            for j in range(DQ_CPT):
+                c = dq_col0 + lane + j * TPR
+                a = ACC(0)
+                for n in range(BLOCK_N):  # CUDA: wgmma (dS^T, K from shared memory, both transposed)
+                    a += sdS[ds_tile, n, dq_row0 + row] * sK[n, c]
+                acc_dq[j] = a
+            return
         for j in range(DQ_CPT):
             c = dq_col0 + lane + j * TPR
             a = ACC(0)
@@ -384,9 +449,10 @@ def make_flash_bwd_sm90(cfg):
     @cuda.jit(device=True)
     def turn_warp_wait(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block, seqlen_q, seqlen_k,
                        window_left, window_right, lane):
-        # The turn warp (DETERMINISTIC, producer warp 3) at pair it: wait for the tile's turn (the key blocks
-        # before this one have added); the dQ warp's adds start at kDqTurn, the syncthreads after this call
-        # (CUDA: named_barrier_arrive)
+        # The turn warp (DETERMINISTIC, producer warp 3; SPLIT_DIMS: consumer 0's thread 0, as lane 0) at pair
+        # it: wait for the tile's turn (the key blocks before this one have added); the dQ warp's adds (the
+        # consumers') start at kDqTurn, the syncthreads after this call (CUDA: named_barrier_arrive; the
+        # consumers' named_barrier_sync)
         if lane == 0:
             head, m_block, turn = tile_turn(it, head_k, group, m_block_first, m_block_end, n_block, seqlen_q, seqlen_k,
                                             window_left, window_right)
@@ -403,7 +469,8 @@ def make_flash_bwd_sm90(cfg):
                 window_left, window_right, lane):
         # The turn warp, once the dQ warp's adds into pair it's tile have completed (CUDA: its bulk_wait and
         # fence, then named_barrier_sync(kDqAdded), the syncthreads before this call): the next key block's
-        # turn. The release is cumulative over what the barrier ordered before it
+        # turn. The release is cumulative over what the barrier ordered before it (SPLIT_DIMS: consumer 0's
+        # thread 0, after every consumer thread's adds, as flash_bwd's)
         if lane == 0:
             head, m_block, turn = tile_turn(it, head_k, group, m_block_first, m_block_end, n_block, seqlen_q, seqlen_k,
                                             window_left, window_right)
@@ -417,6 +484,18 @@ def make_flash_bwd_sm90(cfg):
             for r in range(min(BLOCK_M, seqlen_q - row_begin)):
                 for c in range(dq_accum.shape[3]):
                     cuda.atomic.add(dq_accum, (bidx, head, q_row0 + row_begin + r, c), sDqAcc[r, c])
+
+    @cuda.jit(device=True)
+    def add_dq_share(acc_dq, dq_accum, bidx, q_row0, head, row_begin, seqlen_q, d0, row, lane):
+        # SPLIT_DIMS: this consumer thread's share of dQ (query row_begin + row, dims from d0) straight into
+        # the accumulator: rows below seqlen_q, the columns it has (CUDA: red.global.add.v2.f32 of 8-column
+        # groups below dq_accum_row_stride, at dq_accum_col's swizzled columns; here unswizzled, as the dQ
+        # warp's adds and the postprocess's reads)
+        if row_begin + row < seqlen_q:
+            for j in range(DQ_CPT):
+                c = d0 + lane + j * TPR
+                if c < dq_accum.shape[3]:
+                    cuda.atomic.add(dq_accum, (bidx, head, q_row0 + row_begin + row, c), acc_dq[j])
 
     @cuda.jit(device=True)
     def release(bars, stage, tid):
@@ -433,15 +512,16 @@ def make_flash_bwd_sm90(cfg):
         sV = cuda.shared.array((BLOCK_N, HEAD_DIM), ACC)
         sQ = cuda.shared.array((STAGES, BLOCK_M, HEAD_DIM), ACC)
         sdO = cuda.shared.array((STAGES, BLOCK_M, HEAD_DIM), ACC)
-        sdS = cuda.shared.array((2, BLOCK_M, BLOCK_N), ACC)
-        sA = cuda.shared.array((2, BLOCK_N, BLOCK_M), ACC)  # CUDA: a_frag in registers; 0 P^T, 1 dS^T
+        sdS = cuda.shared.array(SDS_SHAPE, ACC)  # SPLIT_DIMS: sdS^T, keys x queries
+        sPt = cuda.shared.array(SPT_SHAPE, ACC)  # SPLIT_DIMS: sP^T (CUDA: p_tile), keys x queries
+        sA = cuda.shared.array(SA_SHAPE, ACC)  # CUDA: a_frag in registers; 0 P^T, 1 dS^T
         sLse = cuda.shared.array((STAGES, BLOCK_M), ACC)  # LSE * log2(e): exp2 offsets
         sD = cuda.shared.array((STAGES, BLOCK_M), ACC)
         # kDqOwnKeys: the dQ partials handed to the other consumer, two buffers (by it & 1) as sdS's
         sDqX = cuda.shared.array(DQX_SHAPE, ACC)
         # the block's dQ tile (CUDA: fp32, rows of dq_accum_row_stride floats, their chunks of 8 columns swizzled
         # as the accumulator's: backward.cuh's dq_accum_col, against bank conflicts)
-        sDqAcc = cuda.shared.array((BLOCK_M, HEAD_DIM), ACC)
+        sDqAcc = cuda.shared.array(DQ_ACC_SHAPE, ACC)
         bars = cuda.shared.array(N_BARS, int32)
 
         (rank, head_k, batch, n_block, q_start, k_start, seqlen_q, seqlen_k, group, m_block_first,
@@ -478,8 +558,11 @@ def make_flash_bwd_sm90(cfg):
         consumer = warpgroup - 1
         tid = cuda.threadIdx.x - WARPGROUP * warpgroup
         lane = tid % TPR
-        wg_key0 = WG_KEYS * consumer
+        wg_key0 = 0 if SPLIT_DIMS else WG_KEYS * consumer
         key = wg_key0 + tid // TPR  # this thread's key inside the block
+        # SPLIT_DIMS: this consumer's first query of S^T and first dim of dK, dV and dQ
+        q0 = QUERIES * consumer if SPLIT_DIMS else 0
+        d0 = DIMS * consumer if SPLIT_DIMS else 0
         dq_tile = 0 if DQ_OWN_KEYS else consumer
         dq_row0 = DQ_TILE * (dq_tile % (BLOCK_M // DQ_TILE))
         dq_col0 = DQ_TILE * (dq_tile // (BLOCK_M // DQ_TILE))
@@ -517,20 +600,62 @@ def make_flash_bwd_sm90(cfg):
             _, tanh_in, bias, score_log2 = score_mod_init(IS_SOFTCAP, softmax_scale, softcap, slope, scale_log2,
                                                           ACC(LOG2E))
             if consumer >= 0:
-                issue_s_dp(it, acc_s, acc_dp, bars, sK, sV, sQ, sdO, key, lane)
-                p_of(it, acc_s, sLse, key_begin + key, lane, row_begin, m_block, n_block, seqlen_q, seqlen_k,
+                issue_s_dp(it, acc_s, acc_dp, bars, sK, sV, sQ, sdO, key, q0, lane)
+                p_of(it, acc_s, sLse, key_begin + key, q0, lane, row_begin, m_block, n_block, seqlen_q, seqlen_k,
                      window_left, window_right, tanh_in, bias, score_log2, seed_lo, seed_hi,
                      uint64(batch * nheads + head), offset, dropout_threshold)
-                to_a_frag(acc_s, sA, 0, key, lane, IS_DROPOUT)
+                if SPLIT_DIMS:
+                    store_keys_by_queries(sPt, it, acc_s, key, q0, lane, IS_DROPOUT)  # dV's wgmma in [9]
+                else:
+                    to_a_frag(acc_s, sA, 0, key, lane, IS_DROPOUT)
             cuda.syncthreads()  # every thread's P^T is in sA (CUDA: none, it stays in registers)
             if consumer >= 0:
-                issue_dv(it, acc_dv, sA, sdO, key, lane)
-                ds_of(it, acc_s, acc_dp, sD, sLse, key_begin + key, lane, row_begin, seqlen_q, seqlen_k, bias,
+                if not SPLIT_DIMS:
+                    issue_dv(it, acc_dv, sA, 0, sdO, key, d0, lane)
+                ds_of(it, acc_s, acc_dp, sD, sLse, key_begin + key, q0, lane, row_begin, seqlen_q, seqlen_k, bias,
                       score_log2, dropout_scale)
-                to_a_frag(acc_dp, sA, 1, key, lane, False)
-            cuda.syncthreads()  # and its dS^T
+                if SPLIT_DIMS:
+                    store_keys_by_queries(sdS, it, acc_dp, key, q0, lane, False)
+                else:
+                    to_a_frag(acc_dp, sA, 1, key, lane, False)
+            # and its dS^T (SPLIT_DIMS: CUDA's fence_proxy_async and named barrier kDsReady, both consumers' halves
+            # of P^T and dS^T are in)
+            cuda.syncthreads()
+            if SPLIT_DIMS:
+                # This consumer's dims of dQ = dS K, dV += P^T dO and dK += dS^T Q, all from shared memory; its
+                # share of dQ straight into dq_accum (no sDqAcc, no dQ warp). DETERMINISTIC: consumer 0's thread 0
+                # waits for the tile's turn (kDqTurn, both consumers), hands it on once every consumer thread has
+                # added (kDqAdded)
+                if consumer >= 0:
+                    issue_dq(it, acc_dq, sdS, sK, 0, d0, 0, dq_r, lane)
+                    issue_dv(it, acc_dv, sPt, it & 1, sdO, key, d0, lane)
+                    issue_dk(it, acc_dk, sdS, it & 1, sQ, key, d0, lane)
+                    if IS_DETERMINISTIC:
+                        turn_warp_wait(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block,
+                                       seqlen_q, seqlen_k, window_left, window_right, tid + WARPGROUP * consumer)
+                if IS_DETERMINISTIC:
+                    cuda.syncthreads()  # CUDA: named barrier kDqTurn (the consumers)
+                if consumer >= 0:
+                    add_dq_share(acc_dq, dq_accum, bidx, q_start, head, row_begin, seqlen_q, d0, dq_r, lane)
+                if IS_DETERMINISTIC:
+                    cuda.syncthreads()  # CUDA: named barrier kDqAdded (the consumers)
+                if consumer >= 0:
+                    if IS_DETERMINISTIC:
+                        hand_on(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block, seqlen_q,
+                                seqlen_k, window_left, window_right, tid + WARPGROUP * consumer)
+                    release(bars, stage, tid)
+                # the end of the phase, as below
+                cuda.syncthreads()
+                if cuda.threadIdx.x == 0:
+                    tile = producer(tile, bars, sK, sV, sQ, sdO, q, k, v, do, bidx, q_start, k_start, head_k, group,
+                                    key_begin, m_block_first, m_block_end, n_it)
+                if cuda.threadIdx.x // 32 == 1:
+                    rows_it = producer_rows(rows_it, bars, sLse, sD, lse, dsum, bidx, q_start, head_k, group,
+                                            m_block_first, m_block_end, n_it, seqlen_q, cuda.threadIdx.x % 32)
+                cuda.syncthreads()
+                continue
             if consumer >= 0:
-                issue_dk(it, acc_dk, sA, sQ, key, lane)
+                issue_dk(it, acc_dk, sA, 1, sQ, key, d0, lane)
                 store_ds(it, acc_dp, sdS, key, lane)
             # CUDA: fence_proxy_async, then named barrier kStore + consumer (kDqOwnKeys: this consumer's keys
             # are in) or kDsReady (every consumer's)
@@ -601,12 +726,15 @@ def make_flash_bwd_sm90(cfg):
         dv_scale = dropout_scale if IS_DROPOUT else ACC(1)
         if consumer >= 0:
             for j in range(D_CPT):
-                sK[key, lane + j * TPR] = acc_dk[j] * softmax_scale
-                sV[key, lane + j * TPR] = acc_dv[j] * dv_scale
-        cuda.syncthreads()  # CUDA: named barrier kStore + consumer, the warpgroup's 128 threads
+                sK[key, d0 + lane + j * TPR] = acc_dk[j] * softmax_scale
+                sV[key, d0 + lane + j * TPR] = acc_dv[j] * dv_scale
+        # CUDA: named barrier kStore + consumer, the warpgroup's 128 threads (SPLIT_DIMS: kDsReady, both
+        # consumers wrote every key's row; each then stores half of the rows)
+        cuda.syncthreads()
+        store_row0 = STORE_ROWS * consumer if SPLIT_DIMS else wg_key0
         if consumer >= 0:
-            for e in range(tid, WG_KEYS * HEAD_DIM, WARPGROUP):  # CUDA: 16-byte chunks
-                r = wg_key0 + e // HEAD_DIM
+            for e in range(tid, STORE_ROWS * HEAD_DIM, WARPGROUP):  # CUDA: 16-byte chunks
+                r = store_row0 + e // HEAD_DIM
                 c = e % HEAD_DIM
                 if key_begin + r < seqlen_k and c < head_dim:
                     dk[bidx, k_start + key_begin + r, head_k, c] = sK[r, c]
