@@ -87,7 +87,7 @@ def main(mode, path):
                 with cuflash.kernel_family(family):
                     try:
                         row[family] = ms_per_call(cuflash_call(mode, qc, kc, vc, doc, causal))
-                    except ValueError:  # a call this family does not serve (the sm90 backward at d = 256)
+                    except ValueError:  # a call this family does not serve
                         row[family] = None
             for name, backend in SDPA.items():
                 with sdpa_kernel(backend):
