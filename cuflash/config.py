@@ -224,9 +224,11 @@ _TILES_HEAVY: dict[str, dict[int, tuple[int, int, int]]] = {
 #   keys, 2026-12-03 (c): 1.03-1.12x at N >= 2048, causal and not;
 # - one consumer warpgroup (block_m 64), two blocks an SM, so that one block's prologue and epilogue run under the
 #   other's main loop: d = 64, 2026-12-03 (c): 64 x 128 1.09-1.13x at N = 512 and 1024, 64 x 192 1.11-1.15x at
-#   2048, and 128 x 192 1.02-1.04x faster than 64 x 192 at 8192.
-_FWD_SM90_D64 = ((0, (64, 128, 8)), (2048, (64, 192, 8)), (4096, (128, 192, 12)))
-_TILES_BY_KEYS = {"flash_fwd_sm90": {64: (_FWD_SM90_D64, _FWD_SM90_D64),
+#   2048, and 128 x 192 1.02-1.04x faster than 64 x 192 at 8192; 2026-12-03 (d), at 4096: 128 x 192 1.02x faster
+#   than 64 x 192 without a mask, 64 x 192 1.04x faster with the causal one (as fast at 8192).
+_ONE_CONSUMER_D64 = ((0, (64, 128, 8)), (2048, (64, 192, 8)))
+_TILES_BY_KEYS = {"flash_fwd_sm90": {64: ((*_ONE_CONSUMER_D64, (4096, (128, 192, 12))),
+                                          (*_ONE_CONSUMER_D64, (8192, (128, 192, 12)))),
                                      128: (((4096, (128, 176, 12)),), ((8192, (128, 176, 12)),)),
                                      256: (((2048, (128, 80, 12)),), ((2048, (128, 80, 12)),))}}
 
