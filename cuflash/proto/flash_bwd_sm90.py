@@ -285,6 +285,20 @@ def make_flash_bwd_sm90(cfg):
         return it
 
     @cuda.jit(device=True)
+    def producer_turn(tile, rows_it, bars, sK, sV, sQ, sdO, sLse, sD, q, k, v, do, lse, dsum, bidx, q_start, k_start,
+                      head_k, group, key_begin, m_block_first, m_block_end, n_it, seqlen_q):
+        # The producer's thread 0 and warp 1 issue what the releases allowed (CUDA: they run beside the
+        # consumers), then every thread waits until the copies have landed. Returns (tile, rows_it)
+        if cuda.threadIdx.x == 0:
+            tile = producer(tile, bars, sK, sV, sQ, sdO, q, k, v, do, bidx, q_start, k_start, head_k, group,
+                            key_begin, m_block_first, m_block_end, n_it)
+        if cuda.threadIdx.x // 32 == 1:
+            rows_it = producer_rows(rows_it, bars, sLse, sD, lse, dsum, bidx, q_start, head_k, group, m_block_first,
+                                    m_block_end, n_it, seqlen_q, cuda.threadIdx.x % 32)
+        cuda.syncthreads()
+        return tile, rows_it
+
+    @cuda.jit(device=True)
     def zero_tails(a, b, first, rows, consumer, tid):
         # Varlen: rows first .. rows - 1 of two tiles (K and V, or a stage's Q and dO) past the sequence, the
         # next one's, set to zero by the consumers (CUDA: zero_tile_rows, fence_proxy_async, named barrier
@@ -544,15 +558,9 @@ def make_flash_bwd_sm90(cfg):
 
         # Producer (CUDA: setmaxnreg.dec; thread 0 issues the copies, warp 1 the LSE and D rows, then the
         # warpgroup returns). Here they fill the ring now and go on after each phase below.
-        tile = -1
-        rows_it = 0
-        if cuda.threadIdx.x == 0:
-            tile = producer(tile, bars, sK, sV, sQ, sdO, q, k, v, do, bidx, q_start, k_start, head_k, group,
-                            key_begin, m_block_first, m_block_end, n_it)
-        if cuda.threadIdx.x // 32 == 1:
-            rows_it = producer_rows(rows_it, bars, sLse, sD, lse, dsum, bidx, q_start, head_k, group, m_block_first,
-                                    m_block_end, n_it, seqlen_q, cuda.threadIdx.x % 32)
-        cuda.syncthreads()  # the copies have landed (CUDA: the consumers wait on kv_full, q_full, do_full)
+        # The copies have landed after it (CUDA: the consumers wait on kv_full, q_full, do_full)
+        tile, rows_it = producer_turn(-1, 0, bars, sK, sV, sQ, sdO, sLse, sD, q, k, v, do, lse, dsum, bidx, q_start,
+                                      k_start, head_k, group, key_begin, m_block_first, m_block_end, n_it, seqlen_q)
 
         # Consumers (CUDA: setmaxnreg.inc). consumer -1: the producer warpgroup, holding nothing.
         consumer = warpgroup - 1
@@ -644,15 +652,10 @@ def make_flash_bwd_sm90(cfg):
                         hand_on(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block, seqlen_q,
                                 seqlen_k, window_left, window_right, tid + WARPGROUP * consumer)
                     release(bars, stage, tid)
-                # the end of the phase, as below
-                cuda.syncthreads()
-                if cuda.threadIdx.x == 0:
-                    tile = producer(tile, bars, sK, sV, sQ, sdO, q, k, v, do, bidx, q_start, k_start, head_k, group,
-                                    key_begin, m_block_first, m_block_end, n_it)
-                if cuda.threadIdx.x // 32 == 1:
-                    rows_it = producer_rows(rows_it, bars, sLse, sD, lse, dsum, bidx, q_start, head_k, group,
-                                            m_block_first, m_block_end, n_it, seqlen_q, cuda.threadIdx.x % 32)
-                cuda.syncthreads()
+                cuda.syncthreads()  # the end of the phase, as below
+                tile, rows_it = producer_turn(tile, rows_it, bars, sK, sV, sQ, sdO, sLse, sD, q, k, v, do, lse, dsum,
+                                              bidx, q_start, k_start, head_k, group, key_begin, m_block_first,
+                                              m_block_end, n_it, seqlen_q)
                 continue
             if consumer >= 0:
                 issue_dk(it, acc_dk, sA, 1, sQ, key, d0, lane)
@@ -697,13 +700,9 @@ def make_flash_bwd_sm90(cfg):
                     hand_on(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block, seqlen_q,
                             seqlen_k, window_left, window_right, cuda.threadIdx.x % 32)
             cuda.syncthreads()  # end of the phase: the releases are in
-            if cuda.threadIdx.x == 0:
-                tile = producer(tile, bars, sK, sV, sQ, sdO, q, k, v, do, bidx, q_start, k_start, head_k, group,
-                                key_begin, m_block_first, m_block_end, n_it)
-            if cuda.threadIdx.x // 32 == 1:
-                rows_it = producer_rows(rows_it, bars, sLse, sD, lse, dsum, bidx, q_start, head_k, group,
-                                        m_block_first, m_block_end, n_it, seqlen_q, cuda.threadIdx.x % 32)
-            cuda.syncthreads()  # and the copies they allowed have landed
+            tile, rows_it = producer_turn(tile, rows_it, bars, sK, sV, sQ, sdO, sLse, sD, q, k, v, do, lse, dsum, bidx,
+                                          q_start, k_start, head_k, group, key_begin, m_block_first, m_block_end, n_it,
+                                          seqlen_q)
 
         # [10] Store dK * softmax_scale and dV
         # Through this consumer's rows of sK and sV, once every consumer's last dQ (which reads sK) has
