@@ -94,7 +94,8 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
     // dQ = dS K in 64 x 64 tiles: one per consumer over all kBlockN keys, or (d = 64) the one tile, each
     // consumer adding its own keys' share
     constexpr int kDqTiles = (kBlockM / 64) * (kHeadDim / 64);
-    static_assert(kSplitDims || kDqTiles == kConsumers || kDqTiles == 1, "dQ: a 64 x 64 tile per consumer, or one in all");
+    static_assert(kSplitDims || kDqTiles == kConsumers || kDqTiles == 1,
+                  "dQ: a 64 x 64 tile per consumer, or one in all");
     constexpr bool kDqOwnKeys = !kSplitDims && kDqTiles == 1;
     static_assert(!kDqOwnKeys || kConsumers == 2, "d = 64: the partials of two consumers, half the rows each");
     static_assert((kVariant & (kSeqused | kPaged)) == 0, "dense or varlen batches");
@@ -406,7 +407,8 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
         // kSplitDims: P^T into sP^T, its wgmma with dK's and dQ's in [9]
         unsigned a_frag[kQueries / 16][4];
 #pragma unroll
-        for (int kq = 0; kq < kQueries / 16; ++kq) acc_to_a<T>(a_frag[kq], acc_s[2 * kq], acc_s[2 * kq + 1], kIsDropout);
+        for (int kq = 0; kq < kQueries / 16; ++kq)
+            acc_to_a<T>(a_frag[kq], acc_s[2 * kq], acc_s[2 * kq + 1], kIsDropout);
         const unsigned p_tile = base + Smem::kPs + (it & 1) * Smem::kDS, ds_tile = sdS + (it & 1) * Smem::kDS;
         // kSplitDims: a_frag's 8 x 8 tiles into a keys x queries tile (sP^T, sdS^T) as they are: a_frag[kq][j] is
         // keys key_row0 + 8 (j & 1) + 0..7 by this consumer's queries 16 kq + 8 (j >> 1) + 0..7, a 16-byte chunk
@@ -509,10 +511,11 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
                 const int row = row_begin + 16 * warp + g + 8 * h;
                 if (row < seqlen_q) {
 #pragma unroll
-                    for (int nd = 0; nd < kNTilesD; ++nd)
+                    for (int nd = 0; nd < kNTilesD; ++nd) {
+                        const int col = dq_accum_col(row, d0 + 8 * nd + 2 * t, kDqSwizzleSm90);
                         if (d0 + 8 * nd < width)
-                            red_add_f32x2(dq_rows + row * width + dq_accum_col(row, d0 + 8 * nd + 2 * t, kDqSwizzleSm90),
-                                          acc_dq[nd][2 * h], acc_dq[nd][2 * h + 1]);
+                            red_add_f32x2(dq_rows + row * width + col, acc_dq[nd][2 * h], acc_dq[nd][2 * h + 1]);
+                    }
                 }
             }
             if constexpr (kIsDeterministic) {
