@@ -264,7 +264,7 @@ def smem_bytes(cfg: KernelConfig) -> int:
     if cfg.kernel == "flash_bwd_sm90":
         # Sm90BwdSmem: slack, K, V, 2 stages of Q and dO, 2 dS, LSE and D, sDqAcc, d = 64's 2 sDqX, exp2's
         # scale, mbarriers; split dims (d > 128): 2 P^T, no sDqAcc
-        stages, split_dims = 2, d > 128
+        stages, split_dims = 2, sm90_split_dims(d)
         dq_acc = 0 if split_dims else bm * d * 4
         dq_exchange = 2 * 2 * 2 * 32 * 32 * 4 if bm * d == 64 * 64 else 0
         return (1024 + (2 * bn * d + 2 * stages * bm * d + (4 if split_dims else 2) * bm * bn) * e
@@ -425,12 +425,18 @@ SM90_BWD_VARLEN_UNSERVED = ALIBI | DROPOUT
 SM90_BWD_VARLEN_NVRTC = 13  # against _compile.nvrtc_major(), the NVRTC that builds the Hopper kernels
 
 
+def sm90_split_dims(head_dim: int) -> bool:
+    """Does flash_bwd_sm90 split the head dim over its consumers (Sm90BwdSmem::kSplitDims)? Over 128: dK and dV
+    of 64 keys would take 256 registers a thread, so two consumers share a block's 64 keys, half the dims each."""
+    return head_dim > 128
+
+
 def query_split(cfg: KernelConfig, blocks: int, sms: int) -> bool:
     """Does flash_bwd_sm90's grid of `blocks` key blocks run faster with each split over a cluster of two
     (QUERY_SPLIT)? Under a causal mask alone the first key blocks visit every query block: halving them halves
     the grid's longest path, where the blocks fit one wave. Otherwise (a sliding window's blocks are alike too)
     twice as many only help where they still fit one wave (sms / 2 clusters: the H200's 132 SMs pair up)."""
-    if cfg.head_dim > 128:  # split dims: rank 0's partials would be rows of dK, dV split over two consumers
+    if sm90_split_dims(cfg.head_dim):  # rank 0's partials would be rows of dK, dV split over two consumers
         return False
     return 2 * blocks <= sms or ((cfg.variant & (LOCAL | WINDOW)) == LOCAL and blocks <= sms)
 

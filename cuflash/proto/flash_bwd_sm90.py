@@ -90,7 +90,8 @@ import math
 from numba import config as numba_config
 from numba import cuda, int32, uint64
 
-from ..config import DETERMINISTIC, PAGED, QUERY_SPLIT, SEQUSED, SM90_BWD_UNSERVED, SM90_BWD_VARLEN_UNSERVED, VARLEN
+from ..config import (DETERMINISTIC, PAGED, QUERY_SPLIT, SEQUSED, SM90_BWD_UNSERVED, SM90_BWD_VARLEN_UNSERVED, VARLEN,
+                      sm90_split_dims)
 from .dropout import keep
 from .flash_bwd import LOG2E, backward_block, backward_pair, dq_turn, lse_to_log2_offset
 from .flash_fwd import acc_type, load_tile, thread_layout, variant_flags
@@ -114,7 +115,7 @@ def make_flash_bwd_sm90(cfg):
         raise ValueError("flash_bwd_sm90 does not serve varlen with ALiBi and dropout together (CUDA's spills)")
     # kSplitDims (head_dim > 128): dK and dV over 64 keys would take 256 registers a thread in CUDA; the two
     # consumers share 64 keys, each taking half the queries of S^T, dP^T and half the dims of dK, dV, dQ
-    SPLIT_DIMS = cfg.head_dim > 128
+    SPLIT_DIMS = sm90_split_dims(cfg.head_dim)
     if SPLIT_DIMS:
         if cfg.block_n != WG_KEYS or cfg.warps != 12:
             raise ValueError(f"flash_bwd_sm90: head_dim > 128 (split dims) takes block_n {WG_KEYS} and warps 12 (a "
