@@ -7,7 +7,7 @@ packed varlen batches with an empty sequence, every dtype (the backward's atomic
 flash_attn_with_kvcache, dense and paged caches: the decode kernel, split and not, and query chunks past its
 rows (on sm_90 the Hopper forward).
 
-    python3 bench/sanitize_cases.py [--quick]
+    python3 bench/sanitize_cases.py [--quick] [--family mma|sm90]
 
 Sizes are tiny (a few seconds without the sanitizer): the sanitizer multiplies run time. CuPy's
 memory pool is switched off, so every array is its own cudaMalloc of its exact size and memcheck
@@ -215,8 +215,16 @@ def _compare(dtype, ours: dict, ref: dict, names=("o", "lse", "dq", "dk", "dv"))
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="every third case only")
+    ap.add_argument("--family", choices=("mma", "sm90"), help="the 16-bit calls' kernel family (cuflash.kernel_family)")
     args = ap.parse_args(argv)
 
+    import cuflash
+
+    with cuflash.kernel_family(args.family):
+        return sweep(args.quick)
+
+
+def sweep(quick: bool) -> int:
     import cupy
 
     # Exact-size allocations, so memcheck sees out-of-bounds accesses (a pool hides them).
@@ -225,7 +233,7 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     failed = 0
-    todo = cases(args.quick)
+    todo = cases(quick)
     for i, (dtype, b, sq, sk, h, hk, d, causal) in enumerate(todo):
         name = f"{dtype:8s} b={b} sq={sq:3d} sk={sk:3d} h={h} hk={hk} d={d:3d} causal={int(causal)}"
         try:
