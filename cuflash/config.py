@@ -178,10 +178,12 @@ class KernelConfig:
 # One row per (kernel, head_dim): (block_m, block_n, warps). Chosen so that every entry compiles
 # without spills for sm_80 and sm_90 (tests/test_compile_gate.py checks it from the ptxas report).
 _TILES: dict[str, dict[int, tuple[int, int, int]]] = {
-    # Tensor-core rows: the fastest candidates measured on an H200 (bf16, batch 4, 16 heads, 4096 tokens,
-    # causal and not) among those that compile without spills for sm_80 and sm_90.
-    "flash_fwd": {32: (128, 64, 8), 64: (128, 64, 4), 96: (128, 32, 4), 128: (128, 32, 4),
-                  160: (64, 32, 4), 192: (128, 64, 8), 224: (128, 64, 8), 256: (128, 64, 8)},
+    # Tensor-core rows: the fastest candidates measured on an H200 (bench/tile_sweep.py fwd-mma, bench/RESULTS.md
+    # 2026-12-03 (e); d = 224 between its measured neighbours) among those that compile without spills for sm_80 and
+    # sm_90. At d = 128, 128 x 64 x 4 (FlashAttention-2's tile) was 1.03-1.06x faster without a mask, and at d = 256
+    # 64 x 64 x 4 1.02-1.05x, but they spill on sm_90 (12-16 bytes; 80 with a paged KV cache).
+    "flash_fwd": {32: (128, 64, 4), 64: (128, 64, 4), 96: (128, 64, 4), 128: (128, 32, 4),
+                  160: (128, 64, 8), 192: (64, 64, 4), 224: (64, 64, 4), 256: (128, 64, 8)},
     # Hopper: warps = 4 per warpgroup, a producer and one consumer per 64 query rows. Compiled for head dims
     # that are whole 64-column slabs (a call's head dim rounds up to the next; TMA fills the rest with zeros).
     "flash_fwd_sm90": {64: (128, 128, 12), 128: (128, 128, 12), 256: (128, 64, 12)},
@@ -210,14 +212,16 @@ _TILES: dict[str, dict[int, tuple[int, int, int]]] = {
 # plain tile spills (compile gate): 8 warps, or smaller tiles. Same format as _TILES.
 HEAVY = SOFTCAP | ALIBI | DROPOUT
 _TILES_HEAVY: dict[str, dict[int, tuple[int, int, int]]] = {
-    "flash_fwd": {128: (128, 32, 8), 160: (128, 32, 8), 256: (128, 32, 8)},
+    "flash_fwd": {96: (128, 32, 4), 128: (128, 32, 8), 160: (128, 32, 8), 256: (128, 32, 8)},
     "flash_bwd": {32: (64, 64, 4), 64: (64, 64, 4), 96: (64, 64, 8), 128: (64, 64, 8)},
     "flash_bwd_dkdv_simt": {64: (32, 32, 4)},
 }
 
-# flash_fwd_sm90 without a window, score modifier, dropout or KV cache: the tile by the call's key count, per head
+# The forwards without a window, score modifier, dropout or KV cache: the tile by the call's key count, per head
 # dim, without and with the causal mask: (fewest keys, tile) steps, the last one the call reaches giving its tile
 # (_TILES' below the first). Measured on the H200 against _TILES' tile (bench/RESULTS.md):
+# - flash_fwd, d = 128 with the causal mask, 128 x 64 x 8: 1.04-1.22x at N = 1024-8192, 1.04x at 16384, 2026-12-03
+#   (e) (without a mask it was 0.93-0.98x);
 # - wider key blocks, so fewer barriers, waits and O rescales per query row: d = 128, FlashAttention-3's 176 keys
 #   (hopper/tile_size.h), 2026-12-02 (d): non-causal 1.03x at N=8192, 1.12x at 16384, 0.96-0.97x at 512 and 1024;
 #   2026-12-03 (c): causal 1.01-1.03x from 8192 keys, 0.99x at 2048 and 4096. d = 64, 192 keys, and d = 256, 80
@@ -230,7 +234,8 @@ _ONE_CONSUMER_D64 = ((0, (64, 128, 8)), (2048, (64, 192, 8)))
 _TILES_BY_KEYS = {"flash_fwd_sm90": {64: ((*_ONE_CONSUMER_D64, (4096, (128, 192, 12))),
                                           (*_ONE_CONSUMER_D64, (8192, (128, 192, 12)))),
                                      128: (((4096, (128, 176, 12)),), ((8192, (128, 176, 12)),)),
-                                     256: (((2048, (128, 80, 12)),), ((2048, (128, 80, 12)),))}}
+                                     256: (((2048, (128, 80, 12)),), ((2048, (128, 80, 12)),))},
+                  "flash_fwd": {128: ((), ((0, (128, 64, 8)),))}}
 
 # flash_bwd where its grid would leave most SMs idle (fewer blocks than half of them, e.g. B=2 H=8 N=512 at
 # d=128: 64 blocks of 64 x 128 on 132 SMs): a tile that makes twice as many blocks. Measured on the H200
@@ -626,8 +631,8 @@ def all_configs() -> list[KernelConfig]:
             hopper = [choose_forward(dt, d, v, compute_capability=90)
                       for v in (0, LOCAL, ALL_VARIANTS & ~VARLEN, ALL_VARIANTS, KVCACHE_VARIANTS & ~PAGED,
                                 KVCACHE_VARIANTS)]
-            hopper += [choose_forward(dt, d, v, compute_capability=90, seqlen_k=keys)  # _TILES_BY_KEYS'
-                       for v in (0, LOCAL, VARLEN, LOCAL | VARLEN) for keys in _KEY_STEPS]
+            hopper += [choose_forward(dt, d, v, compute_capability=cc, seqlen_k=keys)  # _TILES_BY_KEYS'
+                       for cc in (0, 90) for v in (0, LOCAL, VARLEN, LOCAL | VARLEN) for keys in _KEY_STEPS]
             # the most registers flash_bwd_sm90 serves: every variant dense, and varlen without ALiBi or without
             # dropout (those Hopper configs alone: where it does not serve the head dim, mma.sync ones)
             bwd_all = ALL_VARIANTS & ~(SM90_BWD_UNSERVED | VARLEN)
