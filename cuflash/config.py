@@ -180,9 +180,10 @@ class KernelConfig:
 _TILES: dict[str, dict[int, tuple[int, int, int]]] = {
     # Tensor-core rows: the fastest candidates measured on an H200 (bench/tile_sweep.py fwd-mma, bench/RESULTS.md
     # 2026-12-03 (e); d = 224 between its measured neighbours) among those that compile without spills for sm_80 and
-    # sm_90. At d = 128, 128 x 64 x 4 (FlashAttention-2's tile) was 1.03-1.06x faster without a mask, and at d = 256
-    # 64 x 64 x 4 1.02-1.05x, but they spill on sm_90 (12-16 bytes; 80 with a paged KV cache).
-    "flash_fwd": {32: (128, 64, 4), 64: (128, 64, 4), 96: (128, 64, 4), 128: (128, 32, 4),
+    # sm_90 (NVRTC 13.0 and 12.x, what CI and the H200 build with). At d = 128, 128 x 64 x 4 (FlashAttention-2's
+    # tile) was 1.03-1.06x faster without a mask, at d = 96 1.18-1.21x, and at d = 256 64 x 64 x 4 1.02-1.05x, but
+    # they spill on sm_90 (d = 96 with varlen, 4-16 bytes; d = 256 with a paged KV cache, 80).
+    "flash_fwd": {32: (128, 64, 4), 64: (128, 64, 4), 96: (128, 32, 4), 128: (128, 32, 4),
                   160: (128, 64, 8), 192: (64, 64, 4), 224: (64, 64, 4), 256: (128, 64, 8)},
     # Hopper: warps = 4 per warpgroup, a producer and one consumer per 64 query rows. Compiled for head dims
     # that are whole 64-column slabs (a call's head dim rounds up to the next; TMA fills the rest with zeros).
@@ -212,7 +213,7 @@ _TILES: dict[str, dict[int, tuple[int, int, int]]] = {
 # plain tile spills (compile gate): 8 warps, or smaller tiles. Same format as _TILES.
 HEAVY = SOFTCAP | ALIBI | DROPOUT
 _TILES_HEAVY: dict[str, dict[int, tuple[int, int, int]]] = {
-    "flash_fwd": {96: (128, 32, 4), 128: (128, 32, 8), 160: (128, 32, 8), 256: (128, 32, 8)},
+    "flash_fwd": {128: (128, 32, 8), 160: (128, 32, 8), 256: (128, 32, 8)},
     "flash_bwd": {32: (64, 64, 4), 64: (64, 64, 4), 96: (64, 64, 8), 128: (64, 64, 8)},
     "flash_bwd_dkdv_simt": {64: (32, 32, 4)},
 }
