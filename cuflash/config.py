@@ -180,11 +180,11 @@ class KernelConfig:
 _TILES: dict[str, dict[int, tuple[int, int, int]]] = {
     # Tensor-core rows: the fastest candidates measured on an H200 (bench/tile_sweep.py fwd-mma, bench/RESULTS.md
     # 2026-12-03 (e); d = 224 between its measured neighbours) among those that compile without spills for sm_80 and
-    # sm_90 (NVRTC 13.0 and 12.x, what CI and the H200 build with). At d = 128, 128 x 64 x 4 (FlashAttention-2's
-    # tile) was 1.03-1.06x faster without a mask, at d = 96 1.18-1.21x, and at d = 256 64 x 64 x 4 1.02-1.05x, but
-    # they spill on sm_90 (d = 96 with varlen, 4-16 bytes; d = 256 with a paged KV cache, 80).
+    # sm_90 (NVRTC 13.0 and 12.x, what CI and the H200 build with). d = 128 keeps 128 x 32 x 4 for what
+    # _TILES_BY_KEYS does not serve (windows, KV caches: 128 x 64 x 4 spills 32 bytes on sm_90 with a paged one);
+    # d = 96 keeps it too: 128 x 64 x 4, 1.18-1.21x faster, spills 16 bytes on sm_90 with varlen.
     "flash_fwd": {32: (128, 64, 4), 64: (128, 64, 4), 96: (128, 32, 4), 128: (128, 32, 4),
-                  160: (128, 64, 8), 192: (64, 64, 4), 224: (64, 64, 4), 256: (128, 64, 8)},
+                  160: (128, 64, 8), 192: (64, 64, 4), 224: (64, 64, 4), 256: (64, 64, 4)},
     # Hopper: warps = 4 per warpgroup, a producer and one consumer per 64 query rows. Compiled for head dims
     # that are whole 64-column slabs (a call's head dim rounds up to the next; TMA fills the rest with zeros).
     "flash_fwd_sm90": {64: (128, 128, 12), 128: (128, 128, 12), 256: (128, 64, 12)},
@@ -221,8 +221,9 @@ _TILES_HEAVY: dict[str, dict[int, tuple[int, int, int]]] = {
 # The forwards without a window, score modifier, dropout or KV cache: the tile by the call's key count, per head
 # dim, without and with the causal mask: (fewest keys, tile) steps, the last one the call reaches giving its tile
 # (_TILES' below the first). Measured on the H200 against _TILES' tile (bench/RESULTS.md):
-# - flash_fwd, d = 128 with the causal mask, 128 x 64 x 8: 1.04-1.22x at N = 1024-8192, 1.04x at 16384, 2026-12-03
-#   (e) (without a mask it was 0.93-0.98x);
+# - flash_fwd at d = 128, by mask alone (a step at 0 keys), 2026-12-03 (e): without a mask 128 x 64 x 4
+#   (FlashAttention-2's tile), 1.03-1.06x; with the causal mask 128 x 64 x 8, 1.04-1.22x at N = 1024-8192, 1.04x at
+#   16384 (without a mask it was 0.93-0.98x);
 # - wider key blocks, so fewer barriers, waits and O rescales per query row: d = 128, FlashAttention-3's 176 keys
 #   (hopper/tile_size.h), 2026-12-02 (d): non-causal 1.03x at N=8192, 1.12x at 16384, 0.96-0.97x at 512 and 1024;
 #   2026-12-03 (c): causal 1.01-1.03x from 8192 keys, 0.99x at 2048 and 4096. d = 64, 192 keys, and d = 256, 80
@@ -236,7 +237,7 @@ _TILES_BY_KEYS = {"flash_fwd_sm90": {64: ((*_ONE_CONSUMER_D64, (4096, (128, 192,
                                           (*_ONE_CONSUMER_D64, (8192, (128, 192, 12)))),
                                      128: (((4096, (128, 176, 12)),), ((8192, (128, 176, 12)),)),
                                      256: (((2048, (128, 80, 12)),), ((2048, (128, 80, 12)),))},
-                  "flash_fwd": {128: ((), ((0, (128, 64, 8)),))}}
+                  "flash_fwd": {128: (((0, (128, 64, 4)),), ((0, (128, 64, 8)),))}}
 
 # flash_bwd where its grid would leave most SMs idle (fewer blocks than half of them, e.g. B=2 H=8 N=512 at
 # d=128: 64 blocks of 64 x 128 on 132 SMs): a tile that makes twice as many blocks. Measured on the H200

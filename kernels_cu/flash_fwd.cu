@@ -72,16 +72,33 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const __grid_constant_
     const T* q = static_cast<const T*>(p.q) + seq.q_offset(batch, p.q_batch_stride, p.q_row_stride) +
                  head * p.q_head_stride + row_begin * p.q_row_stride;
     constexpr bool kIsPaged = (kVariant & kPaged) != 0;
-    const auto k_rows = key_rows<kIsPaged, T>(p, seq, p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride,
-                                              batch, head_k);
-    const auto v_rows = key_rows<kIsPaged, T>(p, seq, p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride,
-                                              batch, head_k);
+    // K's and V's rows. Where Q is re-read from shared memory (the tiles at the register limit), they are rebuilt
+    // at each load from the params (batch and head_k opaque, so not hoisted): two 64-bit bases held across the loop
+    // made 128 x 64 x 4 tiles spill at d = 128; elsewhere the compiler keeps them
+    auto opaque = [](int x) { return kQInRegs ? x : recompute(x); };
+    const auto k_rows_held = key_rows<kIsPaged, T>(p, seq, p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride,
+                                                   batch, head_k);
+    const auto v_rows_held = key_rows<kIsPaged, T>(p, seq, p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride,
+                                                   batch, head_k);
+    auto k_rows = [&] {
+        if constexpr (kQInRegs) return k_rows_held;
+        else return key_rows<kIsPaged, T>(p, seq, p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride,
+                                          opaque(batch), opaque(head_k));
+    };
+    auto v_rows = [&] {
+        if constexpr (kQInRegs) return v_rows_held;
+        else return key_rows<kIsPaged, T>(p, seq, p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride,
+                                          opaque(batch), opaque(head_k));
+    };
+    // This warp's first row in the sequence, in the key-block loop (opaque where the rows are: held across the loop
+    // it took a register there too)
+    auto warp_row = [&] { return row_begin + (kQInRegs ? warp_row0 : opaque(warp) * (kMTiles * 16)); };
 
     // [2] Load the Q tile
     cp_async_tile<kBlockM, kHeadDim, kPitch, kNThreads>(sQ, q, p.q_row_stride, seqlen_q - row_begin, head_dim, tid);
     if (n_block_end > n_block_min) {
         const int key0 = (n_block_end - 1) * kBlockN;
-        cp_async_keys<kBlockN, kHeadDim, kPitch, kNThreads>(sK, k_rows, key0, seqlen_k - key0, head_dim, tid);
+        cp_async_keys<kBlockN, kHeadDim, kPitch, kNThreads>(sK, k_rows(), key0, seqlen_k - key0, head_dim, tid);
     }
     cp_async_commit();
 
@@ -119,7 +136,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const __grid_constant_
         const int key0 = n_block * kBlockN;
         cp_async_wait<0>();  // K[n_block] (and Q) have landed for this thread ...
         __syncthreads();     // ... and for all; every warp is also done reading sV of the previous block
-        cp_async_keys<kBlockN, kHeadDim, kPitch, kNThreads>(sV, v_rows, key0, seqlen_k - key0, head_dim, tid);
+        cp_async_keys<kBlockN, kHeadDim, kPitch, kNThreads>(sV, v_rows(), key0, seqlen_k - key0, head_dim, tid);
         cp_async_commit();
 
         // [3] S = Q K^T
@@ -158,15 +175,15 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const __grid_constant_
         }
 
         // [4] Score modifiers (softcap, ALiBi); mask the sequence tail, the causal diagonal and the window
-        // acc_s[mi][ni][2h + e]: query row row_begin + warp_row0 + 16*mi + g + 8h, key key0 + 8*ni + 2t + e
+        // acc_s[mi][ni][2h + e]: query row warp_row() + 16*mi + g + 8h, key key0 + 8*ni + 2t + e
         if constexpr (Mod::kTransform) {
-            for_each_score<kMTiles, kNTilesS>(row_begin + warp_row0, key0, lane, [&](float& x, int row, int col) {
+            for_each_score<kMTiles, kNTilesS>(warp_row(), key0, lane, [&](float& x, int row, int col) {
                 float dcap;
                 x = mod.apply(x, row, col, dcap);
             }, acc_s);
         }
         if (mask.template needs_mask<kBlockM, kBlockN>(m_block, n_block)) {
-            for_each_score<kMTiles, kNTilesS>(row_begin + warp_row0, key0, recompute(lane), [&](float& x, int row, int col) {
+            for_each_score<kMTiles, kNTilesS>(warp_row(), key0, recompute(lane), [&](float& x, int row, int col) {
                 if (!mask.visible(row, col)) x = neg_inf<float>();
             }, acc_s);
         }
@@ -175,7 +192,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const __grid_constant_
         __syncthreads();     // ... for all, and every warp is done reading sK
         if (n_block > n_block_min) {
             const int key_prev = key0 - kBlockN;
-            cp_async_keys<kBlockN, kHeadDim, kPitch, kNThreads>(sK, k_rows, key_prev, seqlen_k - key_prev, head_dim,
+            cp_async_keys<kBlockN, kHeadDim, kPitch, kNThreads>(sK, k_rows(), key_prev, seqlen_k - key_prev, head_dim,
                                                                tid);
             cp_async_commit();
         }
@@ -187,7 +204,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const __grid_constant_
         // Dropped entries are 0 in P V only: row_sum, and so the LSE, keep them. O is scaled by
         // 1 / (1 - dropout_p) at the store.
         if constexpr ((kVariant & kDropout) != 0) {
-            Dropout(p, batch, head).for_each_keep(acc_s, row_begin + warp_row0, key0, lane, [](float& x, bool kept) {
+            Dropout(p, batch, head).for_each_keep(acc_s, warp_row(), key0, lane, [](float& x, bool kept) {
                 if (!kept) x = 0.f;
             });
         }
