@@ -184,7 +184,7 @@ _TILES: dict[str, dict[int, tuple[int, int, int]]] = {
     # _TILES_BY_KEYS does not serve (windows, KV caches: 128 x 64 x 4 spills 32 bytes on sm_90 with a paged one);
     # d = 96 keeps it too: 128 x 64 x 4, 1.18-1.21x faster, spills 16 bytes on sm_90 with varlen.
     "flash_fwd": {32: (128, 64, 4), 64: (128, 64, 4), 96: (128, 32, 4), 128: (128, 32, 4),
-                  160: (128, 64, 8), 192: (64, 64, 4), 224: (64, 64, 4), 256: (64, 64, 4)},
+                  160: (128, 64, 8), 192: (64, 64, 4), 224: (64, 64, 4), 256: (128, 64, 8)},
     # Hopper: warps = 4 per warpgroup, a producer and one consumer per 64 query rows. Compiled for head dims
     # that are whole 64-column slabs (a call's head dim rounds up to the next; TMA fills the rest with zeros).
     "flash_fwd_sm90": {64: (128, 128, 12), 128: (128, 128, 12), 256: (128, 64, 12)},

@@ -72,27 +72,27 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const __grid_constant_
     const T* q = static_cast<const T*>(p.q) + seq.q_offset(batch, p.q_batch_stride, p.q_row_stride) +
                  head * p.q_head_stride + row_begin * p.q_row_stride;
     constexpr bool kIsPaged = (kVariant & kPaged) != 0;
-    // K's and V's rows. Where Q is re-read from shared memory (the tiles at the register limit), they are rebuilt
-    // at each load from the params (batch and head_k opaque, so not hoisted): two 64-bit bases held across the loop
-    // made 128 x 64 x 4 tiles spill at d = 128; elsewhere the compiler keeps them
-    auto opaque = [](int x) { return kQInRegs ? x : recompute(x); };
+    // K's and V's rows. Where the accumulators take 192 registers a thread or more (128 x 64 x 4 tiles at d = 128),
+    // they are rebuilt at each load from the params, batch and head_k opaque so that they are not hoisted: two
+    // 64-bit bases held across the loop made those tiles spill. Elsewhere the compiler keeps them (as measured).
+    constexpr bool kTight = kMTiles * (kBlockN + kHeadDim) / 2 >= 192;  // acc_s and acc_o registers a thread
     const auto k_rows_held = key_rows<kIsPaged, T>(p, seq, p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride,
                                                    batch, head_k);
     const auto v_rows_held = key_rows<kIsPaged, T>(p, seq, p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride,
                                                    batch, head_k);
     auto k_rows = [&] {
-        if constexpr (kQInRegs) return k_rows_held;
+        if constexpr (!kTight) return k_rows_held;
         else return key_rows<kIsPaged, T>(p, seq, p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride,
-                                          opaque(batch), opaque(head_k));
+                                          recompute(batch), recompute(head_k));
     };
     auto v_rows = [&] {
-        if constexpr (kQInRegs) return v_rows_held;
+        if constexpr (!kTight) return v_rows_held;
         else return key_rows<kIsPaged, T>(p, seq, p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride,
-                                          opaque(batch), opaque(head_k));
+                                          recompute(batch), recompute(head_k));
     };
-    // This warp's first row in the sequence, in the key-block loop (opaque where the rows are: held across the loop
-    // it took a register there too)
-    auto warp_row = [&] { return row_begin + (kQInRegs ? warp_row0 : opaque(warp) * (kMTiles * 16)); };
+    // This warp's first row in the sequence, in the key-block loop (kTight: rebuilt, as held across the loop it took a
+    // register there too)
+    auto warp_row = [&] { return row_begin + (kTight ? recompute(warp) * (kMTiles * 16) : warp_row0); };
 
     // [2] Load the Q tile
     cp_async_tile<kBlockM, kHeadDim, kPitch, kNThreads>(sQ, q, p.q_row_stride, seqlen_q - row_begin, head_dim, tid);
