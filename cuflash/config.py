@@ -182,7 +182,8 @@ _TILES: dict[str, dict[int, tuple[int, int, int]]] = {
     # 2026-12-03 (e); d = 224 between its measured neighbours) among those that compile without spills for sm_80 and
     # sm_90 (NVRTC 13.0 and 12.x, what CI and the H200 build with). d = 128 keeps 128 x 32 x 4 for what
     # _TILES_BY_KEYS does not serve (windows, KV caches: 128 x 64 x 4 spills 32 bytes on sm_90 with a paged one);
-    # d = 96 keeps it too: 128 x 64 x 4, 1.18-1.21x faster, spills 16 bytes on sm_90 with varlen.
+    # d = 96 keeps it too: 128 x 64 x 4, 1.18-1.21x faster, spills 4 bytes on sm_90 with causal varlen. d = 256's
+    # 64 x 64 x 4 was 1.05x faster causal but 0.97-0.98x without a mask (call 4 against call 3): not taken.
     "flash_fwd": {32: (128, 64, 4), 64: (128, 64, 4), 96: (128, 32, 4), 128: (128, 32, 4),
                   160: (128, 64, 8), 192: (64, 64, 4), 224: (64, 64, 4), 256: (128, 64, 8)},
     # Hopper: warps = 4 per warpgroup, a producer and one consumer per 64 query rows. Compiled for head dims
