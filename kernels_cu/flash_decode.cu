@@ -378,13 +378,16 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_decode(const __grid_con
 // Merge the num_splits partials of each (batch, head, query row) into o and lse: one warp per row. Lane l holds the
 // LSEs of splits l, l + 32, ... (all loaded at once), so the largest LSE and the weights' sum are warp reductions;
 // then lane l takes columns l, l + 32, ... of every split's O, each split's weight broadcast from the lane holding
-// it. The merge is the exact one of attention over disjoint key sets (merge_states). (A minimum of 1 block per SM
-// in the bounds: without one, ptxas held the sm_90 build to 32-40 registers and spilled.)
+// it. The first kPrefetch splits' O are loaded with the LSEs: at 16 splits the kernel waits on one round of loads,
+// not three (5.3 -> 4.2 us at B = 1, RESULTS 2026-12-03 (f)). The merge is the exact one of attention over disjoint
+// key sets (merge_states). (A minimum of 1 block per SM in the bounds: without one, ptxas held the sm_90 build to
+// 32-40 registers and spilled.)
 template <typename T, int kHeadDim, int kNWarps>
 __global__ void __launch_bounds__(kNWarps * 32, 1) flash_decode_combine(const __grid_constant__ DecodeParams dp) {
     static_assert(kHeadDim % 32 == 0, "32 lanes over the head dim");
     constexpr int kPerLane = kHeadDim / 32;
     constexpr int kRounds = kMaxSplits / 32;  // splits a lane holds
+    constexpr int kPrefetch = 64 / kPerLane < 16 ? 64 / kPerLane : 16;  // splits whose O is loaded with the LSEs
     const FwdParams& p = dp.fwd;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const long long rows = static_cast<long long>(p.batch) * p.nheads * p.seqlen_q;  // one split's [batch, head, row]
@@ -403,6 +406,13 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_decode_combine(const __
         const int s = 32 * r + lane;
         x[r] = s < num_splits ? dp.lse_partial[s * rows + idx] : neg_inf<float>();
     }
+    const float* o_split = dp.o_partial + idx * kHeadDim + lane;  // split s: o_split[s * rows * kHeadDim]
+    float early[kPrefetch][kPerLane];  // the first splits' O, in flight with the LSEs
+#pragma unroll
+    for (int j = 0; j < kPrefetch; ++j)
+#pragma unroll
+        for (int e = 0; e < kPerLane; ++e)  // flash_decode writes columns below head_dim only
+            early[j][e] = j < num_splits && lane + 32 * e < p.head_dim ? o_split[j * rows * kHeadDim + 32 * e] : 0.f;
     float m = x[0];
 #pragma unroll
     for (int r = 1; r < kRounds; ++r) m = nan_max(m, x[r]);
@@ -423,18 +433,23 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_decode_combine(const __
     for (int e = 0; e < kPerLane; ++e) acc[e] = 0.f;
     if (!empty) {
         const float inv = 1.f / l;
-        const float* o_split = dp.o_partial + idx * kHeadDim + lane;  // split s: o_split[s * rows * kHeadDim]
+#pragma unroll
+        for (int j = 0; j < kPrefetch; ++j) {  // a weight past num_splits is 0, its O 0
+            const float wj = __shfl_sync(0xffffffffu, w[0], j) * inv;
+#pragma unroll
+            for (int e = 0; e < kPerLane; ++e) acc[e] += wj * early[j][e];
+        }
 #pragma unroll
         for (int r = 0; r < kRounds; ++r) {
             const int n = min(32, num_splits - 32 * r);  // <= 0 past the last round
             const float wr = w[r] * inv;
 #pragma unroll 8
-            for (int j = 0; j < n; ++j) {  // the loads of 8 splits in flight
+            for (int j = r == 0 ? kPrefetch : 0; j < n; ++j) {  // the loads of 8 splits in flight
                 const float wj = __shfl_sync(0xffffffffu, wr, j);
                 const float* src = o_split + (32 * r + j) * rows * kHeadDim;
 #pragma unroll
                 for (int e = 0; e < kPerLane; ++e)
-                    if (lane + 32 * e < p.head_dim) acc[e] += wj * src[32 * e];  // flash_decode writes these only
+                    if (lane + 32 * e < p.head_dim) acc[e] += wj * src[32 * e];
             }
         }
     }

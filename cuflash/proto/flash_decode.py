@@ -340,6 +340,7 @@ def make_flash_decode_combine(cfg):
     NWARPS = cfg.warps
     PER_LANE = HEAD_DIM // WARP_LANES  # kPerLane
     ROUNDS = MAX_SPLITS // WARP_LANES  # kRounds
+    PREFETCH = min(16, 64 // PER_LANE)  # kPrefetch
     if HEAD_DIM % WARP_LANES:
         raise ValueError("flash_decode_combine: 32 lanes over the head dim")
     ACC = acc_type(cfg.dtype)
@@ -363,6 +364,11 @@ def make_flash_decode_combine(cfg):
         for r in range(ROUNDS):
             s = WARP_LANES * r + lane
             x[r] = lse_partial[s * rows + idx] if active and s < num_splits else -math.inf
+        early = cuda.local.array((PREFETCH, PER_LANE), ACC)  # the first splits' O, loaded with the LSEs
+        for j in range(PREFETCH):
+            for e in range(PER_LANE):
+                ok = active and j < num_splits and lane + WARP_LANES * e < head_dim
+                early[j, e] = o_partial[(j * rows + idx) * HEAD_DIM + lane + WARP_LANES * e] if ok else 0
         m = x[0]
         for r in range(1, ROUNDS):
             if x[r] > m or x[r] != x[r]:
@@ -396,8 +402,12 @@ def make_flash_decode_combine(cfg):
             n = min(WARP_LANES, num_splits - WARP_LANES * r)
             red[warp, lane] = w[r] * inv  # split 32 r + j's weight, broadcast from lane j (__shfl_sync)
             cuda.syncthreads()
+            if active and not empty and r == 0:  # a weight past num_splits is 0, its O 0
+                for j in range(PREFETCH):
+                    for e in range(PER_LANE):
+                        acc[e] += red[warp, j] * early[j, e]
             if active and not empty:
-                for j in range(n):
+                for j in range(PREFETCH if r == 0 else 0, n):
                     wj = red[warp, j]
                     base = ((WARP_LANES * r + j) * rows + idx) * HEAD_DIM + lane
                     for e in range(PER_LANE):
