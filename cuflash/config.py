@@ -514,16 +514,20 @@ def decode_stages(cfg: KernelConfig) -> int:
     return 3 if q + 2 * 3 * cfg.block_n * decode_ring_pitch(cfg.head_dim) * 2 <= SMEM_LIMIT[80] else 2
 
 
-def decode_splits(tiles: int, key_blocks: int, sms: int) -> int:
+def decode_splits(tiles: int, key_blocks: int, sms: int, page_size: int = 0) -> int:
     """num_splits=0's choice: tiles (batch * nheads_k * packed query blocks) that leave more than a fifth of the
     sms idle are split, into the fewest splits whose blocks fill their last round of sms within 95 % of the
     fullest possible; at most one key block per split and MAX_SPLITS. Rounds of one block per SM, not of the
     blocks an SM can hold: the blocks stream memory alike, and an SM with two of them takes twice as long
-    (bench/decode_splits.py)."""
-    if tiles <= 0 or tiles >= 0.8 * sms:
+    (bench/decode_splits.py). Page pools with pages under 64 keys (page_size; 0: a dense cache) are the exception:
+    each 16 keys a warp copies wait on a page-table read first, and a second block per SM hides that wait, so
+    their rounds are of two blocks per SM (pages of 16, 8 x 32 x 8 x 32768 x 128: 283 -> 254 us from 2 splits to
+    4; B = 1: 144 -> 135 us from 16 to 32; RESULTS 2026-12-03 (f))."""
+    slots = 2 * sms if 0 < page_size < 64 else sms
+    if tiles <= 0 or tiles >= 0.8 * slots:
         return 1
     top = max(1, min(MAX_SPLITS, key_blocks))
-    fill = [tiles * s / (ceil_div(tiles * s, sms) * sms) for s in range(1, top + 1)]
+    fill = [tiles * s / (ceil_div(tiles * s, slots) * slots) for s in range(1, top + 1)]
     best = max(fill)
     return next(s for s, f in enumerate(fill, 1) if f >= 0.95 * best)
 

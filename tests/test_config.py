@@ -390,13 +390,18 @@ def test_dq_swizzle_matches_the_kernels():
     assert got[1:] == [c ^ (8 * r) for r in range(4) for c in (0, 8, 37)]
 
 
-@pytest.mark.parametrize("tiles,key_blocks,sms,want", [
-    (8, 2048, 132, 16),  # B=1, 8 kv heads, 131k keys: 128 blocks, within 95 % of 264 (two full rounds)
-    (64, 512, 132, 2),  # B=8, 8 kv heads: 128 blocks
-    (512, 64, 132, 1),  # B=64: four rounds already
-    (128, 256, 132, 1),  # 128 of 132 SMs busy: not split
-    (8, 3, 132, 3),  # never more splits than key blocks
-    (0, 10, 132, 1),
+@pytest.mark.parametrize("tiles,key_blocks,sms,page_size,want", [
+    (8, 2048, 132, 0, 16),  # B=1, 8 kv heads, 131k keys: 128 blocks, within 95 % of 264 (two full rounds)
+    (64, 512, 132, 0, 2),  # B=8, 8 kv heads: 128 blocks
+    (512, 64, 132, 0, 1),  # B=64: four rounds already
+    (128, 256, 132, 0, 1),  # 128 of 132 SMs busy: not split
+    (8, 3, 132, 0, 3),  # never more splits than key blocks
+    (0, 10, 132, 0, 1),
+    (64, 512, 132, 64, 2),  # pages of 64 keys: as a dense cache
+    (64, 512, 132, 16, 4),  # pages of 16: rounds of two blocks per SM, 256 of 264
+    (8, 2048, 132, 16, 32),  # B=1, pages of 16: 256 blocks
+    (128, 256, 132, 16, 2),  # 128 blocks leave half of the 264 slots idle: 2 splits, 256
+    (512, 64, 132, 16, 1),  # two rounds of two already
 ])
-def test_decode_splits(tiles, key_blocks, sms, want):
-    assert config.decode_splits(tiles, key_blocks, sms) == want
+def test_decode_splits(tiles, key_blocks, sms, page_size, want):
+    assert config.decode_splits(tiles, key_blocks, sms, page_size) == want

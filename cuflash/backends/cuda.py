@@ -208,7 +208,7 @@ def decode_launches(q, k_cache, v_cache, o, lse, *, kvcache, num_splits: int, ca
     check_batch(b)
     check_grid_heads("k_cache", k_cache.shape[2])
     hk, m_blocks = k_cache.shape[2], ceil_div(sq * group, main.block_m)
-    num_splits = split_count(main, b * hk * m_blocks, int(p["seqlen_k"]), num_splits)
+    num_splits = split_count(main, b * hk * m_blocks, int(p["seqlen_k"]), num_splits, int(p["page_size"]))
     dp = np.zeros((), dtype=_params.DECODE_PARAMS)
     dp["fwd"], dp["num_splits"] = p, num_splits
     kernels = [(main, (m_blocks * num_splits, hk, b))]
@@ -231,12 +231,13 @@ def append_launches(k_cache, v_cache, k, v, cache_seqlens, block_table, counts, 
     return Launches(p, [(choose_append(k_cache.dtype), (1 if k is None else seqlen_new, batch, 1))])
 
 
-def split_count(cfg, tiles: int, capacity: int, num_splits: int) -> int:
+def split_count(cfg, tiles: int, capacity: int, num_splits: int, page_size: int = 0) -> int:
     """The splits flash_decode (cfg) runs: num_splits, or for 0 config.decode_splits on this GPU; at most one
-    per key block of the capacity. tiles: batch * nheads_k * packed query blocks."""
+    per key block of the capacity. tiles: batch * nheads_k * packed query blocks; page_size: the pool's (0: a
+    dense cache)."""
     key_blocks = max(1, ceil_div(capacity, cfg.block_n))
     if num_splits == 0:
-        num_splits = decode_splits(tiles, key_blocks, _multiprocessors())
+        num_splits = decode_splits(tiles, key_blocks, _multiprocessors(), page_size)
     return max(1, min(num_splits, key_blocks))
 
 

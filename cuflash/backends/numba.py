@@ -444,13 +444,14 @@ def fit_decode(cfg: KernelConfig):
     return None if best is None else best[1]
 
 
-def decode_num_splits(num_splits: int, tiles: int, key_blocks: int) -> int:
-    """The splits a call runs: num_splits, or for 0 config.decode_splits over DECODE_NOTIONAL_SMS blocks; at most
-    the cache's key blocks and at least 1 (as the CUDA backend's decode_launches clamps)."""
+def decode_num_splits(num_splits: int, tiles: int, key_blocks: int, page_size: int = 0) -> int:
+    """The splits a call runs: num_splits, or for 0 config.decode_splits over DECODE_NOTIONAL_SMS blocks (page_size:
+    the pool's, 0 for a dense cache); at most the cache's key blocks and at least 1 (as the CUDA backend's
+    decode_launches clamps)."""
     from ..config import decode_splits
 
     if num_splits == 0:
-        num_splits = decode_splits(tiles, key_blocks, DECODE_NOTIONAL_SMS)
+        num_splits = decode_splits(tiles, key_blocks, DECODE_NOTIONAL_SMS, page_size)
     return max(1, min(num_splits, key_blocks))
 
 
@@ -474,7 +475,8 @@ def _decode(q, k, v, *, kvcache, causal, softmax_scale, num_splits=0, cfgs=None,
     seqused_k, block_table = kvcache
     capacity = block_table.shape[1] * k.shape[1] if block_table is not None else k.shape[1]
     m_blocks = _ceil_div(seqlen_q * group, main.block_m)
-    splits = decode_num_splits(num_splits, batch * nheads_k * m_blocks, max(1, _ceil_div(capacity, main.block_n)))
+    splits = decode_num_splits(num_splits, batch * nheads_k * m_blocks, max(1, _ceil_div(capacity, main.block_n)),
+                               k.shape[1] if block_table is not None else 0)
     launcher = _Launcher()
     o = _result(out, q.shape, np.float32 if dt == "bfloat16" else q.dtype, xp, launcher.sim)
     acc = _acc_dtype(dt)

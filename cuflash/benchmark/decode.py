@@ -268,7 +268,7 @@ class CuflashDecode(Impl):
         out = {"kernel": main.kernel}
         if main.kernel == "flash_decode":
             tiles = cell.batch * cell.nheads_k * ceil_div(cell.nheads // cell.nheads_k, main.block_m)
-            out["num_splits"] = cuda.split_count(main, tiles, cell.seqlen_k, 0)
+            out["num_splits"] = cuda.split_count(main, tiles, cell.seqlen_k, 0, cell.page_size or 0)
         return out
 
 
