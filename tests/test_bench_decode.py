@@ -26,7 +26,7 @@ def test_decode_params_and_cells():
     assert shapes(p) == [(8, 32, 8, 32768, 128, None), (8, 32, 8, 32768, 128, 16), (8, 32, 8, 32768, 128, 64),
                          (8, 32, 8, 32768, 128, 256), (1, 32, 8, 131072, 128, None), (64, 32, 8, 4096, 128, None),
                          (8, 16, 16, 16384, 64, None)]
-    assert (p["dtype"], p["causal"], p["seqlen_q"], p["modes"]) == ("bfloat16", False, 1, ["fwd"])
+    assert (p["dtype"], p["causal"], p["seqlen_q"], p["modes"], p["rounds"]) == ("bfloat16", False, 1, ["fwd"], 3)
     assert p["implementations"] == ["cuflash", "cuflash-append", "torch-flash", "torch-cudnn", "copy"]
     assert "far above the L2" in p["method"] and "2 x those bytes" in p["method"]
     cells = decode.cells(p)
@@ -37,10 +37,11 @@ def test_decode_params_and_cells():
     assert cells[2].extra() == {"nheads_k": 8, "page_size": 64, "cache": "paged 64", "kv_bytes": GiB}
     c = suite_cases("decode", p)[4]
     assert (c.batch, c.nheads, c.seqlen_q, c.seqlen_k, c.head_dim, c.causal) == (1, 32, 1, 131072, 128, False)
-    assert cell_count("decode", p, 6) == 7 * 5
+    assert cell_count("decode", p, 6) == 7 * 5 * 3
     q = suite_params("decode", Settings(quick=True, dtype="float16", backends=("cuflash", "torch-cudnn")), "gpu")
     assert shapes(q) == [(8, 32, 8, 32768, 128, None), (8, 32, 8, 32768, 128, 64)]
     assert q["dtype"] == "float16" and q["implementations"] == ["cuflash", "cuflash-append", "torch-cudnn", "copy"]
+    assert q["rounds"] == 1
     # the options that shape other suites leave decode's shapes alone
     assert shapes(suite_params("decode", Settings(batch=2, heads=4, head_dim=64, seqlens=(512,)), "gpu")) == shapes(p)
 
@@ -165,12 +166,15 @@ def test_decode_suite_with_fakes(fakes):
     out = Runner(s, advance=lambda suite, text: steps.append(suite)).run("gpu")
     suite = out["decode"]
     assert suite["status"] == "partial", suite.get("traceback")  # torch-cudnn unavailable
-    assert len(steps) == total_steps(s, "gpu") - len(kernel_configs(s, ["decode"])) == 35
-    # one Data per dense shape: the paged cells reuse the first shape's
+    assert len(steps) == total_steps(s, "gpu") - len(kernel_configs(s, ["decode"])) == 35 * 3
+    # one Data per dense shape: the paged cells reuse the first shape's; each cell's implementations in 3 rounds
     assert [d.cell.page_size for d in FakeData.made] == [None] * 4
-    assert [x for x, _ in FakeData.made[0].used] == ["dense"] * 4 + ["paged 16"] * 4 + ["paged 64"] * 4 + \
-        ["paged 256"] * 4
+    impls = ["cuflash", "cuflash-append", "torch-flash", "copy"]
+    assert FakeData.made[0].used == [(c, i) for c in ("dense", "paged 16", "paged 64", "paged 256") for _ in range(3)
+                                     for i in impls]
     rows = suite["rows"]
+    assert all(len(r["round_ms"]) == 3 and r["ms_median"] == sorted(r["round_ms"])[1] for r in rows
+               if r["status"] == "ok")
     assert [r["implementation"] for r in rows] == ["cuflash", "cuflash-append", "torch-flash", "torch-cudnn", "copy"] * 7
     assert [r["family"] for r in rows[:5]] == ["mma", "mma", "torch-flash", "cudnn", "memcpy"]
     for r in rows:
@@ -190,6 +194,19 @@ def test_decode_suite_with_fakes(fakes):
     # a validator rule of the suite
     rows[0]["tb_per_s"] = None
     assert any("tb_per_s" in e for e in report.validate(report.document(doc["meta"], out)))
+
+
+def test_median_rounds():
+    def row(impl, ms, status="ok", page=None):
+        return {"shape": {"batch": 1}, "dtype": "bfloat16", "page_size": page, "implementation": impl,
+                "status": status, "ms_median": ms}
+
+    rounds = [row("cuflash", 2.0), row("copy", 5.0), row("cuflash", 1.0), row("copy", 4.0, "error"),
+              row("cuflash", 3.0), row("copy", 6.0), row("cuflash", 9.0, page=16), row("cuflash", 7.0, page=16)]
+    out = decode.median_rounds(rounds)
+    assert [(r["implementation"], r["page_size"], r["status"], r["ms_median"]) for r in out] == [
+        ("cuflash", None, "ok", 2.0), ("copy", None, "error", 4.0), ("cuflash", 16, "ok", 7.0)]
+    assert out[0]["round_ms"] == [2.0, 1.0, 3.0] and out[2]["round_ms"] == [9.0, 7.0] and "round_ms" not in out[1]
 
 
 def test_decode_table_from_rows():

@@ -22,8 +22,12 @@ COPY = "copy"
 APPEND = "cuflash-append"  # a decoding step: one new row per entry written into the cache, then attended over
 IMPLS = ("cuflash", APPEND, "torch-flash", "torch-cudnn", COPY)  # the order of a cell's rows, and of the table
 ON_CPU = "it times flash_attn_with_kvcache over KV caches of 0.5-1 GiB on a CUDA GPU; this run is on the CPU"
+ROUNDS = 3  # a cell's implementations timed in this many interleaved rounds (--quick: 1)
 METHOD = ("device ms: CUDA events around each call, the calls back to back behind a spin kernel after warm-up, "
-          "median of >= 10; host us: median time.perf_counter() around each call, back to back behind a spin kernel "
+          "median of >= 10; a cell's implementations timed one after the other in `rounds` rounds, each row the "
+          "round with the median device time (every round's in round_ms): the GPU's rate drifts by up to 12 % "
+          "for some milliseconds, for every implementation alike, so one round would turn a drift into a "
+          "difference between implementations; host us: median time.perf_counter() around each call, back to back behind a spin kernel "
           "(timing.time_call); one input set, not rotated: every K + V cache is 0.5-1 GiB, far "
           "above the L2. KV TB/s: bytes of K and V (2 B len H_kv d itemsize) / time; the copy's TB/s counts what "
           "it reads and writes (2 x those bytes: the DRAM traffic of a cudaMemcpyAsync of a buffer of the K + V "
@@ -88,7 +92,7 @@ def params(s) -> dict:
     cells = [(*shape, None) for shape in shapes[:1]] + [(*shapes[0], p) for p in pages]
     cells += [(*shape, None) for shape in shapes[1:]]
     keys = ("batch", "nheads", "nheads_k", "seqlen_k", "head_dim", "page_size")
-    return {"dtype": dtype, "causal": False, "seqlen_q": 1, "modes": ["fwd"],
+    return {"dtype": dtype, "causal": False, "seqlen_q": 1, "modes": ["fwd"], "rounds": 1 if s.quick else ROUNDS,
             "cells": [dict(zip(keys, c)) for c in cells],
             "implementations": [i for i in IMPLS if i == COPY or i.replace("-append", "") in s.backends],
             "method": METHOD}
@@ -122,6 +126,25 @@ def bandwidth(cell: Cell, implementation: str, ms: float | None) -> dict:
     """bytes_per_call (K and V read; the copy: read and written) and tb_per_s = bytes / time."""
     n = 2 * cell.kv_bytes if implementation == COPY else cell.kv_bytes
     return {"bytes_per_call": n, "tb_per_s": n / (ms * 1e-3) / 1e12 if ms and ms > 0 else None}
+
+
+def median_rounds(rows: list[dict]) -> list[dict]:
+    """One row per (cell, implementation) from the rounds' rows (pure): the round with the median device time
+    (the lower middle of an even count), with every round's median time in round_ms; where a round did not run
+    ok, that round's row. Rows keep their first round's order."""
+    groups: dict = {}
+    for r in rows:
+        key = (tuple(r["shape"].values()), r["dtype"], r.get("page_size"), r["implementation"])
+        groups.setdefault(key, []).append(r)
+    out = []
+    for group in groups.values():
+        bad = [r for r in group if r["status"] != "ok"]
+        if bad:
+            out.append(bad[0])
+            continue
+        chosen = sorted(group, key=lambda r: r["ms_median"])[(len(group) - 1) // 2]
+        out.append({**chosen, "round_ms": [r["ms_median"] for r in group]})
+    return out
 
 
 def add_copy_fractions(rows: list[dict]) -> None:

@@ -231,7 +231,7 @@ def cell_count(name: str, p: dict, n_impls: int) -> int:
     if name == "train":  # timing, then profiling, each implementation
         return 2 * len(p["implementations"])
     if name == "decode":
-        return cases * len(p["implementations"])
+        return cases * len(p["implementations"]) * p["rounds"]
     return cases * n_impls
 
 
@@ -649,25 +649,29 @@ class Runner:
 
         impls = decode.implementations(p["implementations"])
         data = shape = None
+        timed = []
         for cell in decode.cells(p):
             if cell.dense != shape:  # the paged cells share their dense cell's values
                 data = None
                 self._free()
                 shape = cell.dense
                 data = functools.cache(lambda c=shape: decode.Data(c, self.s.seed))  # made at first use
-            for impl in impls:
-                self.step(f"{cell.label} {impl.name}")
+            for r in range(p["rounds"]):
+                for impl in impls:
+                    self.step(f"{cell.label} {impl.name} (round {r + 1} of {p['rounds']})")
 
-                def measure():
-                    fns, extra = impl.calls(cell, data())
-                    st = time_call(fns, clock(impl.clock), **self._timer())
-                    return {**st, **extra, **decode.bandwidth(cell, impl.name, st["ms_median"]), "n_input_sets": 1}
+                    def measure():
+                        fns, extra = impl.calls(cell, data())
+                        st = time_call(fns, clock(impl.clock), **self._timer())
+                        return {**st, **extra, **decode.bandwidth(cell, impl.name, st["ms_median"]),
+                                "n_input_sets": 1}
 
-                self._cell(rows, budget, cell.case, impl, "fwd", measure)
-                rows[-1].update(cell.extra())
-                if impl.name.startswith("cuflash"):
-                    rows[-1]["family"] = decode.kernels(cell, compute_capability(), self.s.family)[0].family
+                    self._cell(timed, budget, cell.case, impl, "fwd", measure)
+                    timed[-1].update(cell.extra())
+                    if impl.name.startswith("cuflash"):
+                        timed[-1]["family"] = decode.kernels(cell, compute_capability(), self.s.family)[0].family
         data = None
+        rows.extend(decode.median_rounds(timed))
         decode.add_copy_fractions(rows)
         return {}
 
