@@ -25,10 +25,10 @@ ON_CPU = "it times flash_attn_with_kvcache over KV caches of 0.5-1 GiB on a CUDA
 ROUNDS = 3  # a cell's implementations timed in this many interleaved rounds (--quick: 1)
 METHOD = ("device ms: CUDA events around each call, the calls back to back behind a spin kernel after warm-up, "
           "median of >= 10; a cell's implementations timed one after the other in `rounds` rounds, each row the "
-          "round with the median device time (every round's in round_ms): the GPU's rate drifts by up to 12 % "
+          "round with the median device time (every round's in round_ms): the GPU's rate drops by 10-15 % "
           "for some milliseconds, for every implementation alike, so one round would turn a drift into a "
-          "difference between implementations; host us: median time.perf_counter() around each call, back to back behind a spin kernel "
-          "(timing.time_call); one input set, not rotated: every K + V cache is 0.5-1 GiB, far "
+          "difference between implementations; host us: median time.perf_counter() around each call, back to back "
+          "behind a spin kernel (timing.time_call); one input set, not rotated: every K + V cache is 0.5-1 GiB, far "
           "above the L2. KV TB/s: bytes of K and V (2 B len H_kv d itemsize) / time; the copy's TB/s counts what "
           "it reads and writes (2 x those bytes: the DRAM traffic of a cudaMemcpyAsync of a buffer of the K + V "
           "size); of copy = TB/s / copy's TB/s. cuflash: flash_attn_with_kvcache, k = v = None, cache_seqlens an "
