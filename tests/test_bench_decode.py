@@ -207,6 +207,12 @@ def test_median_rounds():
     assert [(r["implementation"], r["page_size"], r["status"], r["ms_median"]) for r in out] == [
         ("cuflash", None, "ok", 2.0), ("copy", None, "error", 4.0), ("cuflash", 16, "ok", 7.0)]
     assert out[0]["round_ms"] == [2.0, 1.0, 3.0] and out[2]["round_ms"] == [9.0, 7.0] and "round_ms" not in out[1]
+    # rounds the time budget skipped: left out while another round ran ok; the row itself where none did
+    out = decode.median_rounds([row("cuflash", 2.0), row("cuflash", 1.0), row("cuflash", None, "skipped"),
+                                row("copy", None, "skipped"), row("copy", None, "skipped")])
+    assert [(r["implementation"], r["status"], r["ms_median"]) for r in out] == [
+        ("cuflash", "ok", 1.0), ("copy", "skipped", None)]
+    assert out[0]["round_ms"] == [2.0, 1.0]
 
 
 def test_decode_table_from_rows():

@@ -25,7 +25,7 @@ ON_CPU = "it times flash_attn_with_kvcache over KV caches of 0.5-1 GiB on a CUDA
 ROUNDS = 3  # a cell's implementations timed in this many interleaved rounds (--quick: 1)
 METHOD = ("device ms: CUDA events around each call, the calls back to back behind a spin kernel after warm-up, "
           "median of >= 10; a cell's implementations timed one after the other in `rounds` rounds, each row the "
-          "round with the median device time (every round's in round_ms): the GPU's rate drops by 10-15 % "
+          "round with the median device time (every timed round's in round_ms): the GPU's rate drops by 10-15 % "
           "for some milliseconds, for every implementation alike, so one round would turn a drift into a "
           "difference between implementations; host us: median time.perf_counter() around each call, back to back "
           "behind a spin kernel (timing.time_call); one input set, not rotated: every K + V cache is 0.5-1 GiB, far "
@@ -129,21 +129,23 @@ def bandwidth(cell: Cell, implementation: str, ms: float | None) -> dict:
 
 
 def median_rounds(rows: list[dict]) -> list[dict]:
-    """One row per (cell, implementation) from the rounds' rows (pure): the round with the median device time
-    (the lower middle of an even count), with every round's median time in round_ms; where a round did not run
-    ok, that round's row. Rows keep their first round's order."""
+    """One row per (cell, implementation) from the rounds' rows (pure): the ok round with the median device time
+    (the lower middle of an even count), with every ok round's median time in round_ms. A round that failed
+    (error, OOM, unavailable) gives the row instead; rounds the time budget skipped are left out, unless none ran.
+    Rows keep their first round's order."""
     groups: dict = {}
     for r in rows:
         key = (tuple(r["shape"].values()), r["dtype"], r.get("page_size"), r["implementation"])
         groups.setdefault(key, []).append(r)
     out = []
     for group in groups.values():
-        bad = [r for r in group if r["status"] != "ok"]
-        if bad:
-            out.append(bad[0])
+        failed = [r for r in group if r["status"] not in ("ok", "skipped")]
+        ok = [r for r in group if r["status"] == "ok"]
+        if failed or not ok:
+            out.append((failed or group)[0])
             continue
-        chosen = sorted(group, key=lambda r: r["ms_median"])[(len(group) - 1) // 2]
-        out.append({**chosen, "round_ms": [r["ms_median"] for r in group]})
+        chosen = sorted(ok, key=lambda r: r["ms_median"])[(len(ok) - 1) // 2]
+        out.append({**chosen, "round_ms": [r["ms_median"] for r in ok]})
     return out
 
 
