@@ -254,11 +254,13 @@ def test_bounded_softcap_at_the_ends_of_its_range(gpu, family, softcap):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
-def test_dropout_keep_mask_is_the_specified_one(gpu, dtype):
+@pytest.mark.parametrize("d", [64, 256])
+def test_dropout_keep_mask_is_the_specified_one(gpu, dtype, d):
     """Read the kernels' keep mask directly: q = 0 makes every P entry 1 / seqlen_k, and V = I (seqlen_k =
-    head_dim) puts entry (i, j) of the dropped P in o[i, j]; it must be cuflash.dropout_mask, bit for bit."""
+    head_dim) puts entry (i, j) of the dropped P in o[i, j]; it must be cuflash.dropout_mask, bit for bit. At
+    d = 256 the 16-bit forwards visit several key blocks (4 of 64 on the Hopper one)."""
     cp, cf = gpu.cp, gpu.cuflash
-    b, sq, h, d, p = 2, 77, 3, 64, 0.3
+    b, sq, h, p = 2, 77, 3, 0.3
     q = cp.zeros((b, sq, h, d), dtype=gpu.np_dtype(dtype))
     k = gpu.randn(gpu.rng(dtype), (b, d, h, d), dtype)
     v = cp.broadcast_to(cp.eye(d, dtype=gpu.np_dtype(dtype))[None, :, None, :], (b, d, h, d)).copy()
