@@ -239,7 +239,7 @@ def flash_attn(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, l
     return (o, lse) if return_lse else o
 
 
-def flash_attn_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, layout="bshd", backend="auto",
+def flash_attn_backward(dout, q, k, v, o, lse, *, causal=False, softmax_scale=None, layout="bshd", backend="auto",
                         deterministic=False, dq=None, dk=None, dv=None,
                         window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
     """Gradients (dq, dk, dv) of the forward call that produced (o, lse), given dout = dL/do.
@@ -255,21 +255,21 @@ def flash_attn_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None
     """
     key = None
     if _plannable_variants(alibi_slopes, dropout_p, seed, offset):
-        key = _plan.backward_key(do, q, k, v, o, lse, dq, dk, dv, causal, softmax_scale, window, softcap, layout,
+        key = _plan.backward_key(dout, q, k, v, o, lse, dq, dk, dv, causal, softmax_scale, window, softcap, layout,
                                  backend, deterministic)
         plan = _plan.BACKWARD.get(key)
         if plan is not None:
-            return plan(do, q, k, v, o, lse, dq, dk, dv)
-    return _backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, layout=layout,
+            return plan(dout, q, k, v, o, lse, dq, dk, dv)
+    return _backward(dout, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, layout=layout,
                      backend=backend, deterministic=deterministic, dq=dq, dk=dk, dv=dv, key=key,
                      window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)
 
 
-def _backward(do, q, k, v, o, lse, *, causal, softmax_scale, layout, backend, deterministic, dq=None, dk=None,
+def _backward(dout, q, k, v, o, lse, *, causal, softmax_scale, layout, backend, deterministic, dq=None, dk=None,
               dv=None, key=None,
               window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
     """The general path of flash_attn_backward; with a key, it may leave a plan for the signature."""
-    for name, x in (("dout", do), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse),
+    for name, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse),
                     ("dq", dq), ("dk", dk), ("dv", dv)):
         _checks.check_array(name, x, optional=name in ("dq", "dk", "dv"))
     causal = _checks.check_flag("causal", causal)
@@ -277,31 +277,31 @@ def _backward(do, q, k, v, o, lse, *, causal, softmax_scale, layout, backend, de
     _checks.check_layout(layout)
     dt, qb, kb, vb = _validate_qkv(q, k, v, layout)
     b, sq, h, d = qb.shape
-    for name, x in (("dout", do), ("o", o)):
+    for name, x in (("dout", dout), ("o", o)):
         _checks.check_ndim(name, x, layout)
         _checks.check_like(name, x, tuple(q.shape), dt)
     _checks.check_lse(lse, (b, h, sq), lse_dtype(dt))
     scale = _checks.check_softmax_scale(softmax_scale, d)
     vkw, _ = _variants(causal, window, softcap, alibi_slopes, dropout_p, seed, offset, b, h)
-    inputs = {"dout": do, "q": q, "k": k, "v": v, "o": o, "lse": lse}
+    inputs = {"dout": dout, "q": q, "k": k, "v": v, "o": o, "lse": lse}
     grads = _check_grad_outs(inputs, dq, dk, dv, dt)
     call = _Call(q, layout, backend, {**inputs, **grads, "alibi_slopes": alibi_slopes})
     with call.context():
         arrs, works = zip(*((x, call.working_out(x)) if x is not None else call.new(like.shape, numpy_dtype(dt))
                             for x, like in ((dq, q), (dk, k), (dv, v))))
         g = [_bshd(x, layout) for x in works]
-        ws = [call.working(n, x) for n, x in (("dout", do), ("q", q), ("k", k), ("v", v), ("o", o))]
+        ws = [call.working(n, x) for n, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("o", o))]
         ins = [*(_bshd(x, layout) for x in ws), call.working("lse", lse)]
         # the workspace (D, the dQ accumulator), from the caller's allocator (host backends make their own)
         workspace = _workspace(call, dt, d, h, b, sq, b, sq, deterministic)
         vkw = _working_variants(call, vkw)
-        if key is not None and _plan.plannable(call.caller, call.be, do, q, k, v, o,
+        if key is not None and _plan.plannable(call.caller, call.be, dout, q, k, v, o,
                                                *(x for x in (dq, dk, dv) if x is not None)):
             general = functools.partial(_backward, causal=causal, softmax_scale=softmax_scale, layout=layout,
                                         backend=backend, deterministic=deterministic, window=window, softcap=softcap)
             launches = call.be.backward_launches(*ins, *g, workspace, causal=causal, softmax_scale=scale,
                                                  deterministic=deterministic, **vkw)
-            _plan.BACKWARD[key] = _plan.BackwardPlan(call.caller, launches, do, q, k, v, o, lse, (dq, dk, dv),
+            _plan.BACKWARD[key] = _plan.BackwardPlan(call.caller, launches, dout, q, k, v, o, lse, (dq, dk, dv),
                                                      workspace.shape, general)
         if b and h and (sq or kb.shape[1]):
             call.be.backward(*ins, causal=causal, softmax_scale=scale, deterministic=deterministic,
@@ -398,7 +398,7 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     return (o, lse) if return_lse else o
 
 
-def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+def flash_attn_varlen_backward(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                                causal=False, softmax_scale=None, backend="auto", deterministic=False, dq=None,
                                dk=None, dv=None, check_inputs=False,
                                window=NO_WINDOW, softcap=_OFF, alibi_slopes=None, dropout_p=_OFF, seed=_ZERO, offset=_ZERO):
@@ -408,21 +408,21 @@ def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, 
                                                   causal, softmax_scale, check_inputs,
                                                   (window, softcap, alibi_slopes, dropout_p, seed, offset))
     deterministic = _checks.check_flag("deterministic", deterministic)
-    for name, x in (("dout", do), ("o", o), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
+    for name, x in (("dout", dout), ("o", o), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
         _checks.check_array(name, x, optional=name in ("dq", "dk", "dv"))
-    for name, x in (("dout", do), ("o", o)):
+    for name, x in (("dout", dout), ("o", o)):
         _checks.check_like(name, x, tuple(q.shape), dt)
     if tuple(lse.shape) != (q.shape[1], q.shape[0]):
         raise ValueError(f"lse: expected shape {(q.shape[1], q.shape[0])} (nheads, total_q), got {tuple(lse.shape)}")
     _checks.check_lse(lse, tuple(lse.shape), lse_dtype(dt))
-    inputs = {"dout": do, "q": q, "k": k, "v": v, "o": o, "lse": lse}
+    inputs = {"dout": dout, "q": q, "k": k, "v": v, "o": o, "lse": lse}
     grads = _check_grad_outs(inputs, dq, dk, dv, dt)
     call = _Call(q, "bshd", backend, {**inputs, **grads, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
                                       "alibi_slopes": alibi_slopes})
     with call.context():
         arrs, works = zip(*((x, call.working_out(x)) if x is not None else call.new(like.shape, numpy_dtype(dt))
                             for x, like in ((dq, q), (dk, k), (dv, v))))
-        ins = [call.working(n, x) for n, x in (("dout", do), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse),
+        ins = [call.working(n, x) for n, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse),
                                                 ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))]
         total_q, h, d = q.shape
         workspace = _workspace(call, dt, d, h, 1, total_q, int(cu_seqlens_q.shape[0]) - 1, max_q, deterministic)

@@ -25,6 +25,17 @@ def test_forward_backward_match_reference(causal):
         np.testing.assert_allclose(g, r, atol=1e-12, rtol=0)
 
 
+def test_backward_takes_dout_by_the_name_its_errors_use():
+    q = rand((1, 9, 2, 16), seed=1)
+    o, lse = cuflash.flash_attn_forward(q, q, q, backend="numpy")
+    do = rand(q.shape, seed=2)
+    by_name = cuflash.flash_attn_backward(dout=do, q=q, k=q, v=q, o=o, lse=lse, backend="numpy")
+    for a, b in zip(by_name, cuflash.flash_attn_backward(do, q, q, q, o, lse, backend="numpy")):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="dout: expected shape"):
+        cuflash.flash_attn_backward(dout=do[:, :8], q=q, k=q, v=q, o=o, lse=lse, backend="numpy")
+
+
 def test_auto_backend_on_cpu_returns_numpy():
     q = rand((1, 8, 2, 16), np.float32)
     o = cuflash.flash_attn(q, q, q)
