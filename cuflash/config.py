@@ -1,7 +1,7 @@
 """Kernel configurations: which compiled kernel serves a call, and the heuristic that picks it.
 
 Pure Python, testable without a GPU. A `KernelConfig` maps one-to-one to a C++ template
-instantiation, e.g. ``cuflash::flash_fwd<__nv_bfloat16, 128, 128, 32, 4, 1>`` (bf16, head dim 128,
+instantiation, e.g. ``cuflash::flash_fwd<__nv_bfloat16, 128, 128, 64, 8, 1>`` (bf16, head dim 128,
 causal); template arguments are what changes the code's shape (dtype, head dim, tiles, warps, and
 the variants it applies, `variant`), and everything else travels in the params struct (see
 kernels_cu/params.cuh). A kernel takes only the template arguments

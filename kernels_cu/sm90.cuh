@@ -120,7 +120,7 @@ __device__ __forceinline__ void fence_operands(float (&acc)[kN][4]) {
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // Registers per thread of the warpgroup from here on (a multiple of 8 in [24, 256]); the kernel must have a
-// register cap at entry (__launch_bounds__(threads, 1)). The .inc waits until the block's pool holds the
+// register cap at entry (__launch_bounds__). The .inc waits until the block's pool holds the
 // registers it asks for, which only the .dec of other warpgroups returns: what all warpgroups ask for in
 // the end must fit in what the launch gave them (launch_regs per thread), or the .inc waits forever.
 __host__ __device__ constexpr int launch_regs(int threads) { return 65536 / threads / 8 * 8; }
