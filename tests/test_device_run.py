@@ -41,6 +41,19 @@ def test_a_hung_test_stops_the_suite_early(tmp_path):
     assert "stage test: exit 124" not in gpu_txt
 
 
+def test_gpu_suite_runs_every_file_once_in_concurrent_groups(tmp_path):
+    """The suite's groups name existing files, and the last group runs every other file: no file twice, none left."""
+    run, gpu_txt = _run_test_stage(tmp_path, 'echo "args: $*"; echo "1 passed"', test_seconds=20, timeout=30)
+    assert run.returncode == 0 and "stage test: exit 0" in gpu_txt
+    sections = (tmp_path / "out" / "pytest_gpu.log").read_text().split("== pytest -m gpu ")[1:]
+    named = [a.split("\n")[0].split() for a in sections[:-1]]
+    rest = sections[-1].split("\n")[0].split()
+    assert len(sections) >= 2 and rest[0] == "tests"
+    files = [f for group in named for f in group]
+    assert all((ROOT / f).is_file() for f in files) and len(set(files)) == len(files)
+    assert sorted(rest[1:]) == sorted(f"--ignore={f}" for f in files)
+
+
 def test_ab_runs_each_stage_on_both_trees_and_packs_the_outputs(tmp_path):
     """bench/ab.sh: every stage runs in OLD's folder with OLD first on the import path, then in this tree; the
     outputs come back in one tarball (the device tool returns at most 8 files)."""
