@@ -132,9 +132,18 @@ def check_lse(lse, shape: tuple, dtype: str) -> None:
         raise TypeError(f"lse: dtype must be {dtype}, got {got}")
 
 
+def check_writable(name: str, x) -> None:
+    """An array cuflash writes into in place (out=, dq=, dk=, dv=, a KV cache it appends to): not a JAX array,
+    which JAX holds immutable (XLA may share its buffer with other arrays, or reuse it)."""
+    if type(x).__module__.split(".")[0] in ("jax", "jaxlib"):
+        raise TypeError(f"{name}: a JAX array cannot be written in place (JAX arrays are immutable); use the "
+                        f"result cuflash returns, or a CuPy / torch array")
+
+
 def check_out(out, shape: tuple, dtype: str, inputs: dict, name: str = "out") -> None:
-    """`out=` (or dq=, dk=, dv=): exact shape and dtype, unit stride in the last dimension, no
-    overlap with any input."""
+    """`out=` (or dq=, dk=, dv=): writable (check_writable), exact shape and dtype, unit stride in the last
+    dimension, no overlap with any input."""
+    check_writable(name, out)
     if tuple(out.shape) != tuple(shape):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(out.shape)}")
     try:
@@ -152,11 +161,18 @@ def check_out(out, shape: tuple, dtype: str, inputs: dict, name: str = "out") ->
 
 
 def _byte_strides(x) -> tuple[tuple[int, ...], int]:
-    """(strides in bytes, itemsize) of a NumPy / CuPy array or a torch tensor."""
+    """(strides in bytes, itemsize) of a NumPy / CuPy array, a torch tensor or a JAX array."""
     if callable(getattr(x, "stride", None)):  # torch: strides in elements
         size = x.element_size()
         return tuple(s * size for s in x.stride()), size
-    return tuple(x.strides), x.itemsize
+    strides = getattr(x, "strides", None)
+    if strides is None:  # JAX: row-major always, and no strides to read
+        size, step, rows = x.dtype.itemsize, x.dtype.itemsize, []
+        for n in reversed(tuple(x.shape)):
+            rows.append(step)
+            step *= max(int(n), 1)
+        return tuple(reversed(rows)), size
+    return tuple(strides), x.itemsize
 
 
 def _base(x) -> int | None:

@@ -515,7 +515,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
 
     num_splits: how many thread blocks share each entry's keys on the GPU (split-KV: each computes a partial
     result over its share, and a second kernel merges them exactly); 0 (the default) chooses per call, so that
-    small batches still fill the GPU. It changes rounding only, never the result beyond it. The CUDA backend
+    small batches still fill the GPU. It changes rounding only, never the result beyond it. A paged cache gives
+    the dense cache's result bit for bit at the same split count; with 0, pools of pages under 64 keys may take
+    more splits than the same cache dense (config.decode_splits), so there the two differ in rounding. The CUDA backend
     honours it where its decode kernel serves the call (fp16 / bf16 without ALiBi, seqlen_q * nheads / nheads_k
     <= 64 rows or num_splits > 1, and the kernel's block within the GPU's shared memory) and computes unsplit
     elsewhere; the Numba backend where the same rule serves the call (for any dtype); the NumPy backend
@@ -557,6 +559,9 @@ def _with_kvcache(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, caus
     b, sq, h, d = q.shape
     capacity, num_pages = _checks.check_kv_cache(q, k_cache, v_cache, block_table)
     seqlen_new = _checks.check_new_kv(k, v, (b, k_cache.shape[2], d), dt)
+    if seqlen_new:
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+            _checks.check_writable(name, x)
     _checks.check_cache_seqlens(cache_seqlens, b)
     # Reading device values needs a sync: only with check_inputs=True.
     for name, x in (("cache_seqlens", cache_seqlens), ("block_table", block_table)):

@@ -36,6 +36,19 @@ def test_backward_takes_dout_by_the_name_its_errors_use():
         cuflash.flash_attn_backward(dout=do[:, :8], q=q, k=q, v=q, o=o, lse=lse, backend="numpy")
 
 
+def test_jax_arrays_are_not_written_in_place():
+    """out=, dq= (and dk=, dv=, checked alike) refuse JAX arrays, which JAX holds immutable; the array is untouched."""
+    jnp = pytest.importorskip("jax.numpy")
+    q = rand((1, 9, 2, 16), np.float32, seed=1)
+    o, lse = cuflash.flash_attn_forward(q, q, q, backend="numpy")
+    out = jnp.zeros(q.shape, jnp.float32)
+    with pytest.raises(TypeError, match="out: a JAX array cannot be written in place"):
+        cuflash.flash_attn_forward(q, q, q, backend="numpy", out=out)
+    with pytest.raises(TypeError, match="dq: a JAX array cannot be written in place"):
+        cuflash.flash_attn_backward(o, q, q, q, o, lse, backend="numpy", dq=out)
+    assert not np.asarray(out).any()
+
+
 def test_auto_backend_on_cpu_returns_numpy():
     q = rand((1, 8, 2, 16), np.float32)
     o = cuflash.flash_attn(q, q, q)
