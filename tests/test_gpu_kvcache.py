@@ -381,22 +381,60 @@ def test_torch_tensors(gpu):
     assert gpu.same_bits(got[0], cp.from_dlpack(t["k"][0])) == 0
 
 
-def test_numba_backend(gpu):
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+def test_other_backends_on_device_caches(gpu, backend, dtype):
+    """The Numba backend (its own kernels) and the NumPy backend (on the host, the append on the device) given
+    CuPy caches: o and lse by the rule (fp32: the Numba bound), the append in the caches' own memory, the paged
+    pool bitwise the dense cache (at one split count: num_splits=0 may split pages of 16 more)."""
     from cuflash.backends import numba as nb
 
-    if not nb.available()[0] or nb._simulator():
+    if backend == "numba" and (not nb.available()[0] or nb._simulator()):
         pytest.skip("the Numba backend needs numba-cuda on a GPU")
     cp, cf = gpu.cp, gpu.cuflash
+    ctx = f"{backend} {dtype}"
     c = _device(gpu, make_cache(np.random.default_rng(6), B, 3, H, HK, 64, 256, 3, [40, 0, 253], page_size=16,
-                                dtype=np.float32))
+                                dtype=gpu.np_dtype(dtype)))
     cs = cp.asarray(np.array([40, 0, 253], dtype=np.int32))
+    kw = dict(causal=True, num_splits=2, backend=backend)
     o, lse = cf.flash_attn_with_kvcache(c["q"], c["k_cache"], c["v_cache"], c["k"], c["v"], cache_seqlens=cs,
-                                        causal=True, return_lse=True, backend="numba")
-    r64 = kv_reference(*(c[n].astype(cp.float64) for n in ("q", "k_logical", "v_logical")), c["counts"], causal=True)
-    assert float(cp.max(cp.abs(o - r64[0]))) <= FP32_FORWARD_ATOL["numba"] * max(1.0, float(cp.max(cp.abs(r64[0]))))
+                                        return_lse=True, **kw)
+    assert isinstance(o, cp.ndarray) and isinstance(lse, cp.ndarray), f"[{ctx}] results not CuPy arrays"
+    if dtype == "float32":
+        r64 = kv_reference(*(c[n].astype(cp.float64) for n in ("q", "k_logical", "v_logical")), c["counts"],
+                           causal=True)
+        err = float(cp.max(cp.abs(o - r64[0])))
+        assert err <= FP32_FORWARD_ATOL["numba"] * max(1.0, float(cp.max(cp.abs(r64[0])))), f"[{ctx}] o: {err:.3e}"
+    else:
+        _check(gpu, ctx, dtype, o, lse, *_references(gpu, dtype, c, {"causal": True}))
+    for n in ("k", "v"):
+        assert gpu.same_bits(c[f"{n}_cache"], c[f"{n}_logical"]) == 0, f"[{ctx}] {n}_cache after the append"
     o2 = cf.flash_attn_with_kvcache(c["q"], c["k_cache_paged"], c["v_cache_paged"], c["k"], c["v"], cache_seqlens=cs,
-                                    block_table=c["block_table"], causal=True, backend="numba")
-    assert gpu.same_bits(o2, o) == 0
+                                    block_table=c["block_table"], **kw)
+    assert gpu.same_bits(o2, o) == 0, f"[{ctx}] paged differs from dense"
+
+
+def test_jax_arrays(gpu):
+    """JAX arrays on the GPU in, a JAX array out, bitwise the CuPy call's; a JAX cache is refused an append
+    (JAX arrays are immutable) before anything runs."""
+    jax = pytest.importorskip("jax")
+    try:
+        dev = jax.devices("gpu")[0]
+    except RuntimeError:
+        pytest.skip("JAX has no GPU device")
+    cp, cf = gpu.cp, gpu.cuflash
+    c = _device(gpu, make_cache(np.random.default_rng(7), B, 1, H, HK, 128, 512, 1, [10, 0, 400],
+                                dtype=gpu.np_dtype("bfloat16")))
+    cs = cp.asarray(c["counts"])
+    want, want_lse = cf.flash_attn_with_kvcache(c["q"], c["k_logical"], c["v_logical"], cache_seqlens=cs,
+                                                return_lse=True, backend="cuda")
+    j = {n: jax.device_put(jax.dlpack.from_dlpack(c[n]), dev) for n in ("q", "k_logical", "v_logical", "k", "v")}
+    js = jax.device_put(jax.dlpack.from_dlpack(cs), dev)
+    with pytest.raises(TypeError, match="k_cache: a JAX array cannot be written in place"):
+        cf.flash_attn_with_kvcache(j["q"], j["k_logical"], j["v_logical"], j["k"], j["v"], cache_seqlens=js - 1)
+    o, lse = cf.flash_attn_with_kvcache(j["q"], j["k_logical"], j["v_logical"], cache_seqlens=js, return_lse=True)
+    assert isinstance(o, jax.Array) and isinstance(lse, jax.Array), f"results: {type(o)}, {type(lse)}"
+    assert gpu.same_bits(cp.from_dlpack(o), want) == 0 and gpu.same_bits(cp.from_dlpack(lse), want_lse) == 0
 
 
 # The plan cache (cuflash/_plan.py): a call whose signature repeats launches from the plan its first call left,
