@@ -1,7 +1,8 @@
 """Backward kernel time with deterministic=True against the atomic dQ adds (bf16, CUDA events around 20
-back-to-back flash_attn_backward calls, median of 5), one JSON list on the given path.
+back-to-back flash_attn_backward calls, median of 5), one JSON list on the given path; FAMILY (mma or sm90)
+forces that kernel family (cuflash.kernel_family), else each call takes the fastest.
 
-    python3 bench/deterministic.py OUT.json
+    python3 bench/deterministic.py OUT.json [FAMILY]
 """
 
 import json
@@ -42,21 +43,26 @@ def record(rows, row):
     rows.append(row)
 
 
-def main(path):
+def main(path, family=None):
     rows = []
+    with cuflash.kernel_family(family):
+        measure(rows, family)
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+def measure(rows, family):
     for b, h, n, d in SHAPES:
         q, k, v, do = inputs(b, h, n, d)
         for causal in (True, False):
             o, lse = cuflash.flash_attn_forward(q, k, v, causal=causal)
-            row = {"shape": [b, h, n, d], "causal": causal}
+            row = {"shape": [b, h, n, d], "causal": causal, "family": family}
             for det in (False, True):
                 row["det" if det else "atomic"] = ms_per_call(
                     lambda: cuflash.flash_attn_backward(do, q, k, v, o, lse, causal=causal, deterministic=det))
             row["det_over_atomic_speed"] = row["atomic"] / row["det"]
             record(rows, row)
-    with open(path, "w") as f:
-        json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])
