@@ -97,10 +97,11 @@ VARIANT_NAMES = {LOCAL: "local", SOFTCAP: "softcap", ALIBI: "alibi", DROPOUT: "d
 ALL_VARIANTS = LOCAL | SOFTCAP | ALIBI | DROPOUT | VARLEN | WINDOW | DETERMINISTIC
 
 
-def longest_first(variant: int) -> bool:
-    """Do the forward and dQ grids run query blocks last to first? (kernels_cu/mask.cuh query_block:
-    causal alone, where the last query blocks have the most key blocks to visit)."""
-    return (variant & (LOCAL | WINDOW | SOFTCAP | ALIBI | DROPOUT)) == LOCAL
+def longest_first(variant: int, hopper: bool = False) -> bool:
+    """Do the forward and dQ grids run query blocks last to first? (kernels_cu/mask.cuh query_block: causal
+    without a window, where the last query blocks have the most key blocks to visit; hopper, the Hopper forward,
+    with softcap, ALiBi and dropout too, which spill the other kernels' reversed index)."""
+    return (variant & (LOCAL | WINDOW | (0 if hopper else SOFTCAP | ALIBI | DROPOUT))) == LOCAL
 
 
 def variant_bits(*, local=False, softcap=False, alibi=False, dropout=False, varlen=False, window=False,

@@ -104,7 +104,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kSm90BlocksPerSm<kNWarps / 4 - 1
     auto v_empty = [&](int s) { return bars + 8u * (1 + 3 * kStages + s); };
 
     // [1] Block coordinates: m_block, head, batch; the mask gives the key blocks to visit
-    const int m_block = query_block<kVariant>(), head = blockIdx.y, batch = blockIdx.z;
+    const int m_block = query_block<kVariant, true>(), head = blockIdx.y, batch = blockIdx.z;
     const SeqInfo<kIsVarlen, kIsSeqused> seq(p, batch);  // paged: seqlen_k the capacity, clamped by seqused
     const int row_begin = m_block * kBlockM;
     if (row_begin >= seq.seqlen_q) return;  // varlen: a shorter sequence than the grid's

@@ -50,11 +50,13 @@ constexpr int kUnbounded = 1 << 30;
 
 // The query block of this thread block, longest first: under a causal mask the last query blocks
 // visit the most key blocks, so the grid launches them first and its tail is short blocks. Causal
-// alone (a window's blocks are alike), and not with softcap, ALiBi or dropout: those kernels sit at
-// the register limit and the reversed index spills there. config.longest_first says the same.
-template <int kVariant>
+// without a window (a window's blocks are alike); in the mma.sync and SIMT kernels not with softcap,
+// ALiBi or dropout either: they sit at the register limit and the reversed index spills there. The
+// Hopper forward (kHopper) has the registers. config.longest_first says the same.
+template <int kVariant, bool kHopper = false>
 __device__ __forceinline__ int query_block() {
-    constexpr bool kLongestFirst = (kVariant & (kLocal | kWindow | kSoftcap | kAlibi | kDropout)) == kLocal;
+    constexpr int kOrdered = kLocal | kWindow | (kHopper ? 0 : kSoftcap | kAlibi | kDropout);
+    constexpr bool kLongestFirst = (kVariant & kOrdered) == kLocal;
     return kLongestFirst ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
 }
 

@@ -300,12 +300,16 @@ def test_backward_grid():
 
 def test_longest_first_is_causal_alone():
     """The forward and dQ grids run query blocks last to first only for a causal mask (mask.cuh
-    query_block): a window's blocks are alike, and the heavy variants have no registers to spare."""
+    query_block): a window's blocks are alike, and in the mma.sync and SIMT kernels the heavy variants have no
+    registers to spare; the Hopper forward takes them too."""
     lf = config.longest_first
-    assert lf(config.LOCAL) and lf(config.LOCAL | config.VARLEN)
-    assert not lf(0) and not lf(config.VARLEN)
-    for bit in (config.WINDOW, config.SOFTCAP, config.ALIBI, config.DROPOUT):
+    for hopper in (False, True):
+        assert lf(config.LOCAL, hopper) and lf(config.LOCAL | config.VARLEN, hopper)
+        assert not lf(0, hopper) and not lf(config.VARLEN, hopper) and not lf(config.LOCAL | config.WINDOW, hopper)
+    for bit in (config.SOFTCAP, config.ALIBI, config.DROPOUT, config.SOFTCAP | config.ALIBI | config.DROPOUT):
         assert not lf(config.LOCAL | bit), bit
+        assert lf(config.LOCAL | bit, hopper=True), bit
+    assert not lf(config.ALIBI | config.DROPOUT, hopper=True)
 
 
 def test_decode_choice():

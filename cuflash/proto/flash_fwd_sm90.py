@@ -115,7 +115,7 @@ def make_flash_fwd_sm90(cfg, stages=None):
     BLOCK_M = cfg.block_m
     BLOCK_N = cfg.block_n
     CONSUMERS = cfg.warps // 4 - 1  # kConsumers
-    LONGEST_FIRST = longest_first(cfg.variant)  # mask.cuh query_block
+    LONGEST_FIRST = longest_first(cfg.variant, hopper=True)  # mask.cuh query_block<kVariant, true>
     IS_LOCAL, IS_SOFTCAP, IS_ALIBI, IS_DROPOUT, IS_VARLEN, TRANSFORM = variant_flags(cfg)
     IS_SEQUSED = bool(cfg.variant & SEQUSED)
     IS_PAGED = bool(cfg.variant & PAGED)
