@@ -167,11 +167,11 @@ def _byte_strides(x) -> tuple[tuple[int, ...], int]:
         return tuple(s * size for s in x.stride()), size
     strides = getattr(x, "strides", None)
     if strides is None:  # JAX: row-major always, and no strides to read
-        size, step, rows = x.dtype.itemsize, x.dtype.itemsize, []
-        for n in reversed(tuple(x.shape)):
-            rows.append(step)
-            step *= max(int(n), 1)
-        return tuple(reversed(rows)), size
+        size = x.dtype.itemsize
+        strides = [size] * len(x.shape)
+        for i in range(len(x.shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * max(int(x.shape[i + 1]), 1)
+        return tuple(strides), size
     return tuple(strides), x.itemsize
 
 

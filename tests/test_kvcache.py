@@ -211,8 +211,7 @@ def test_jax_host_arrays():
     """JAX arrays in, a JAX array out; JAX caches are refused an append (JAX arrays are immutable) and left
     as they were, so new rows go in with JAX's own ops and k = v = None here."""
     jax = pytest.importorskip("jax")
-    jax.config.update("jax_enable_x64", True)
-    c = make_cache(np.random.default_rng(6), 2, 1, 4, 2, 16, 32, 1, [3, 30])
+    c = make_cache(np.random.default_rng(6), 2, 1, 4, 2, 16, 32, 1, [3, 30], dtype=np.float32)
     j = {n: jax.numpy.asarray(c[n]) for n in ("q", "k_cache", "v_cache", "k", "v")}
     with pytest.raises(TypeError, match="k_cache: a JAX array cannot be written in place"):
         cuflash.flash_attn_with_kvcache(j["q"], j["k_cache"], j["v_cache"], j["k"], j["v"], cache_seqlens=3,
@@ -223,7 +222,8 @@ def test_jax_host_arrays():
                                         backend="numpy")
     assert isinstance(o, jax.Array)
     want = kv_reference(c["q"], c["k_logical"], c["v_logical"], c["counts"])[0]
-    assert np.abs(np.asarray(o) - want).max() <= 1e-12
+    assert np.abs(np.asarray(o) - want).max() <= 1e-6 * max(1.0, np.abs(want).max())
+
 
 # --- bad input ------------------------------------------------------------------------------------------
 
