@@ -622,7 +622,8 @@ def all_configs() -> list[KernelConfig]:
     (GATED_VARIANTS, with the backward's
     small-grid tiles, and GATED_FORWARD_VARIANTS for the forward (bf16: GATED_BOUNDED_VARIANTS too),
     GATED_DECODE_VARIANTS for flash_decode (with
-    its combine); the Hopper kernels' for GATED_VARIANTS, ALL_VARIANTS less what they do not serve (the
+    its combine); the Hopper kernels' for GATED_VARIANTS (the forward's also without WINDOW: causal with every
+    score modifier), ALL_VARIANTS less what they do not serve (the
     backward: dense, and varlen without ALiBi or without dropout), and the backward's QUERY_SPLIT plain, causal
     and with those but DETERMINISTIC)."""
     out: list[KernelConfig] = [choose_append(dt) for dt in DTYPES]
@@ -639,6 +640,10 @@ def all_configs() -> list[KernelConfig]:
             hopper = [choose_forward(dt, d, v, compute_capability=90)
                       for v in (0, LOCAL, ALL_VARIANTS & ~VARLEN, ALL_VARIANTS, KVCACHE_VARIANTS & ~PAGED,
                                 KVCACHE_VARIANTS)]
+            # without a window, causal with every score modifier: the Hopper forward's query blocks reversed
+            # (mask.cuh query_block)
+            hopper += [c for c in (choose_forward(dt, d, ALL_VARIANTS & ~(WINDOW | v), compute_capability=90)
+                                   for v in (0, VARLEN)) if c.family == "sm90"]
             hopper += [choose_forward(dt, d, v, compute_capability=cc, seqlen_k=keys)  # _TILES_BY_KEYS'
                        for cc in (0, 90) for v in (0, LOCAL, VARLEN, LOCAL | VARLEN) for keys in _KEY_STEPS]
             # the most registers flash_bwd_sm90 serves: every variant dense, and varlen without ALiBi or without
