@@ -641,9 +641,10 @@ def all_configs() -> list[KernelConfig]:
                       for v in (0, LOCAL, ALL_VARIANTS & ~VARLEN, ALL_VARIANTS, KVCACHE_VARIANTS & ~PAGED,
                                 KVCACHE_VARIANTS)]
             # without a window, causal with every score modifier: the Hopper forward's query blocks reversed
-            # (mask.cuh query_block)
-            hopper += [c for c in (choose_forward(dt, d, ALL_VARIANTS & ~(WINDOW | v), compute_capability=90)
-                                   for v in (0, VARLEN)) if c.family == "sm90"]
+            # (mask.cuh query_block), dense, varlen and over KV caches
+            hopper += [c for c in (choose_forward(dt, d, v & ~WINDOW, compute_capability=90)
+                                   for v in (ALL_VARIANTS & ~VARLEN, ALL_VARIANTS, KVCACHE_VARIANTS & ~PAGED,
+                                             KVCACHE_VARIANTS)) if c.family == "sm90"]
             hopper += [choose_forward(dt, d, v, compute_capability=cc, seqlen_k=keys)  # _TILES_BY_KEYS'
                        for cc in (0, 90) for v in (0, LOCAL, VARLEN, LOCAL | VARLEN) for keys in _KEY_STEPS]
             # the most registers flash_bwd_sm90 serves: every variant dense, and varlen without ALiBi or without
