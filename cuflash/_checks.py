@@ -132,10 +132,14 @@ def check_lse(lse, shape: tuple, dtype: str) -> None:
         raise TypeError(f"lse: dtype must be {dtype}, got {got}")
 
 
+def _is_jax(x) -> bool:
+    return type(x).__module__.split(".")[0] in ("jax", "jaxlib")
+
+
 def check_writable(name: str, x) -> None:
     """An array cuflash writes into in place (out=, dq=, dk=, dv=, a KV cache it appends to): not a JAX array,
     which JAX holds immutable (XLA may share its buffer with other arrays, or reuse it)."""
-    if type(x).__module__.split(".")[0] in ("jax", "jaxlib"):
+    if _is_jax(x):
         raise TypeError(f"{name}: a JAX array cannot be written in place (JAX arrays are immutable); use the "
                         f"result cuflash returns, or a CuPy / torch array")
 
@@ -165,14 +169,13 @@ def _byte_strides(x) -> tuple[tuple[int, ...], int]:
     if callable(getattr(x, "stride", None)):  # torch: strides in elements
         size = x.element_size()
         return tuple(s * size for s in x.stride()), size
-    strides = getattr(x, "strides", None)
-    if strides is None:  # JAX: row-major always, and no strides to read
+    if _is_jax(x):  # row-major always, and no strides to read
         size = x.dtype.itemsize
         strides = [size] * len(x.shape)
         for i in range(len(x.shape) - 2, -1, -1):
             strides[i] = strides[i + 1] * max(int(x.shape[i + 1]), 1)
         return tuple(strides), size
-    return tuple(strides), x.itemsize
+    return tuple(x.strides), x.itemsize
 
 
 def _base(x) -> int | None:

@@ -37,7 +37,7 @@ def test_backward_takes_dout_by_the_name_its_errors_use():
 
 
 def test_jax_arrays_are_not_written_in_place():
-    """out=, dq= (and dk=, dv=, checked alike) refuse JAX arrays, which JAX holds immutable; the array is untouched."""
+    """out=, dq= (and dk=, dv=, checked alike) refuse JAX arrays, which JAX holds immutable."""
     jnp = pytest.importorskip("jax.numpy")
     q = rand((1, 9, 2, 16), np.float32, seed=1)
     o, lse = cuflash.flash_attn_forward(q, q, q, backend="numpy")
@@ -46,7 +46,6 @@ def test_jax_arrays_are_not_written_in_place():
         cuflash.flash_attn_forward(q, q, q, backend="numpy", out=out)
     with pytest.raises(TypeError, match="dq: a JAX array cannot be written in place"):
         cuflash.flash_attn_backward(o, q, q, q, o, lse, backend="numpy", dq=out)
-    assert not np.asarray(out).any()
 
 
 def test_auto_backend_on_cpu_returns_numpy():

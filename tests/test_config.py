@@ -298,7 +298,7 @@ def test_backward_grid():
     assert config.backward_grid(split, 4, 128, 2) == (8, 1, 2)
 
 
-def test_longest_first_is_causal_alone():
+def test_longest_first_is_causal_without_a_window():
     """The forward and dQ grids run query blocks last to first only for a causal mask (mask.cuh
     query_block): a window's blocks are alike, and in the mma.sync and SIMT kernels the heavy variants have no
     registers to spare; the Hopper forward takes them too."""
