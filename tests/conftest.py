@@ -63,6 +63,15 @@ def gpu():
     return GpuKit()
 
 
+def jax_gpu():
+    """(jax, its first GPU device), or skip the test: JAX not installed, or without a GPU backend."""
+    jax = pytest.importorskip("jax")
+    try:
+        return jax, jax.devices("gpu")[0]
+    except RuntimeError:
+        pytest.skip("JAX has no GPU device")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def kernel_family():
     """CUFLASH_TEST_FAMILY=mma runs the whole session on the mma.sync kernels (cuflash.kernel_family): how a

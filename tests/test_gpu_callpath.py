@@ -14,6 +14,7 @@ import pytest
 import cuflash
 from cuflash import _plan, api
 from cuflash.config import backward_workspace
+from conftest import jax_gpu
 
 pytestmark = pytest.mark.gpu
 
@@ -309,11 +310,7 @@ def test_cupy_cuda_graph(gpu):
 
 def test_jax_results_are_jax_arrays_without_copy(gpu, monkeypatch):
     """JAX arrays in: JAX arrays out, wrapping the memory the kernels wrote (no copy)."""
-    jax = pytest.importorskip("jax")
-    try:
-        dev = jax.devices("gpu")[0]
-    except RuntimeError:
-        pytest.skip("JAX has no GPU device")
+    jax, dev = jax_gpu()
     cp, cf = gpu.cp, gpu.cuflash
     q, k, v, do = (jax.device_put(jax.dlpack.from_dlpack(x), dev)
                    for x in _inputs(gpu, "cupy", "float32", (1, 70, 2, 32), (1, 90, 2, 32), "jax"))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import FP32_FORWARD_ATOL, LSE_TOL, RULE_ATOL
+from conftest import FP32_FORWARD_ATOL, LSE_TOL, RULE_ATOL, jax_gpu
 from test_kvcache import kv_reference, make_cache, slopes
 
 pytestmark = pytest.mark.gpu
@@ -417,11 +417,7 @@ def test_other_backends_on_device_caches(gpu, backend, dtype):
 def test_jax_arrays(gpu):
     """JAX arrays on the GPU in, a JAX array out, bitwise the CuPy call's; a JAX cache is refused an append
     (JAX arrays are immutable) before anything runs."""
-    jax = pytest.importorskip("jax")
-    try:
-        dev = jax.devices("gpu")[0]
-    except RuntimeError:
-        pytest.skip("JAX has no GPU device")
+    jax, dev = jax_gpu()
     cp, cf = gpu.cp, gpu.cuflash
     c = _device(gpu, make_cache(np.random.default_rng(7), B, 1, H, HK, 128, 512, 1, [10, 0, 400],
                                 dtype=gpu.np_dtype("bfloat16")))

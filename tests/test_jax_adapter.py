@@ -24,7 +24,7 @@ import cuflash  # noqa: E402
 import cuflash.jax as cfj  # noqa: E402
 from cuflash import reference as ref  # noqa: E402
 
-from conftest import FP32_FORWARD_ATOL, RULE_ATOL  # noqa: E402
+from conftest import FP32_FORWARD_ATOL, RULE_ATOL, jax_gpu  # noqa: E402
 from test_variants import varlen_inputs  # noqa: E402
 
 
@@ -415,13 +415,6 @@ def test_forced_cuda_backend_without_gpu():
 # --- on a GPU ---------------------------------------------------------------------------------------------
 
 
-def _gpu_device():
-    try:
-        return jax.devices("gpu")[0]
-    except RuntimeError:
-        pytest.skip("JAX has no GPU backend")
-
-
 def _gpu_inputs(dev, dtype, shapes, seed):
     rng = np.random.default_rng(seed)
     np_dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
@@ -451,7 +444,7 @@ def _rule(gpu, ctx, dtype, got, r64, sp):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_eager_and_jit(gpu, dtype, causal):
-    dev = _gpu_device()
+    _, dev = jax_gpu()
     cp = gpu.cp
     q, k, v, w = _gpu_inputs(dev, dtype, [(2, 200, 4, 64), (2, 230, 2, 64), (2, 230, 2, 64), (2, 200, 4, 64)], 11)
     f = lambda q, k, v: cfj.flash_attn(q, k, v, causal=causal, deterministic=True)  # dq compared bitwise
@@ -474,7 +467,7 @@ def test_gpu_eager_and_jit(gpu, dtype, causal):
 def test_gpu_jit_runs_on_xla_buffers_and_stream(gpu, monkeypatch):
     """Under jit the kernels read and write XLA's device buffers on XLA's stream: every buffer is
     CUDA memory (it has __cuda_array_interface__), none is read on the host."""
-    dev = _gpu_device()
+    _, dev = jax_gpu()
     cp = gpu.cp
     seen = {"device": 0, "host": 0, "streams": [], "current": []}
     real_device, real_run = cfj._device_array, cfj._run_on_buffers
@@ -509,7 +502,7 @@ def test_gpu_jit_runs_on_xla_buffers_and_stream(gpu, monkeypatch):
 @pytest.mark.gpu
 def test_gpu_varlen_variants_jit_equals_cuflash(gpu):
     """Varlen with every deterministic variant, fp16, jit: bitwise the results of cuflash on CuPy."""
-    dev = _gpu_device()
+    _, dev = jax_gpu()
     cp = gpu.cp
     lens_q, lens_k = [150, 0, 97], [130, 40, 160]
     cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
