@@ -279,9 +279,11 @@ def smem_bytes(cfg: KernelConfig) -> int:
         return (1024 + (2 * bn * d + 2 * stages * bm * d + (4 if split_dims else 2) * bm * bn) * e
                 + 2 * stages * bm * 4 + dq_acc + dq_exchange + 8 + 8 * (1 + 4 * stages))
     if cfg.kernel == "flash_bwd":  # K, V tiles; dS^T tile (and P^T when warps share keys); per stage Q, dO, LSE, D
-        warps_sharing_keys = cfg.warps // (bn // 16)  # kWM in flash_bwd.cu
-        fixed = 2 * bn * row * e + (2 if warps_sharing_keys > 1 else 1) * bn * (bm + pad) * e
-        stage = 2 * bm * row * e + 2 * bm * 4
+        warp_keys = 32 if cfg.warps == bn // 16 and bn % 32 == 0 and d >= 96 else 16  # kWarpKeys in flash_bwd.cu
+        p_in_smem = cfg.warps // (bn // warp_keys) > 1  # kWM > 1
+        kv, tile, stage = 2 * bn * row * e, bn * (bm + pad) * e, 2 * bm * row * e + 2 * bm * 4
+        alias_p = p_in_smem and kv + 2 * tile + 2 * stage > SMEM_LIMIT[80]  # kAliasP: P^T in dS^T's tile
+        fixed = kv + (2 if p_in_smem and not alias_p else 1) * tile
         stages = 2 if fixed + 2 * stage <= SMEM_LIMIT[80] else 1  # kStages: two buffers where sm_80 fits them
         return fixed + stages * stage
     if cfg.kernel == "flash_decode":  # Q tile; per warp decode_stages slots of K and V (kWarpKeys = bn / warps rows)

@@ -74,12 +74,20 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_preprocess(const __gri
 // the batch in y instead, slowest but one, they spread over every entry's heads), and an entry's longest
 // causal blocks start first. kDeterministic: (nheads_k, batch, key blocks) (backward_block).
 //
-// Warps form a kWN x kWM grid: kWN = kBlockN / 16 warps along the keys (16 key rows each) and kWM warps
-// sharing those rows. S, P, dP, dS, dK and dV are computed transposed so that keys are the mma's M dimension:
-//   S^T = K Q^T, P^T, dP^T = V dO^T, dS^T (per warp: 16 keys x kBlockM / kWM queries),
-//   dV += P^T dO, dK += dS^T Q (per warp: 16 keys x kHeadDim / kWM dims, fp32 registers).
+// Warps form a kWN x kWM grid: kWN = kBlockN / kWarpKeys warps along the keys (kWarpKeys = 16 * kMT key rows
+// each) and kWM warps sharing those rows. S, P, dP, dS, dK and dV are computed transposed so that keys are the
+// mma's M dimension:
+//   S^T = K Q^T, P^T, dP^T = V dO^T, dS^T (per warp: kWarpKeys keys x kBlockM / kWM queries),
+//   dV += P^T dO, dK += dS^T Q (per warp: kWarpKeys keys x kHeadDim / kWM dims, fp32 registers).
+// 32 key rows a warp (kMT = 2) where 16 would leave one warp on all of a block's queries, from d = 96: every
+// product then reads fewer operand bytes from shared memory (at 64 x 128, d = 128: K and Q rows 32 + 32 a warp
+// for S^T against 16 + 64; dO and P^T 64 + 32 for dV against 128), at the cost of P^T through shared memory
+// (measured on an H200, bench/RESULTS.md 2026-12-04 (k): 1.04x at d = 128; at d = 32 and 64, whose S^T products
+// are short, 0.86x and 0.97x).
 // With kWM == 1 a warp's P^T / dS^T rows are exactly the A operands it needs, converted in registers.
-// With kWM > 1 they go through shared memory (sP, sdS) so that each warp sees all kBlockM queries.
+// With kWM > 1 they go through shared memory (sP, sdS) so that each warp sees all kBlockM queries; sP is sdS
+// (kAliasP) where two tiles would leave room for one stage of Q and dO only (a barrier then parts dV's reads of
+// P^T from the writes of dS^T).
 // dS^T always goes to sdS: dQ's share dS K takes dS as its A operand (queries x keys, ldmatrix .trans), each
 // warp 16-row groups of queries x a slice of the head dim, 32 (or 16) dims at a time in fp32 registers,
 // then added into the accumulator.
@@ -88,8 +96,8 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_preprocess(const __gri
 // LSE and D in kStages buffers (2: the next query block loads while this one is computed; 1 where two do
 // not fit sm_80's 163 KiB):
 //   sK [kBlockN], sV [kBlockN], sQ [kStages][kBlockM], sdO [kStages][kBlockM], sdS [kBlockN],
-//   (kWM > 1: sP [kBlockN]), sLse [kStages][kBlockM], sD [kStages][kBlockM]
-//   config.smem_bytes: 2 * block_n * (head_dim + 8) * 2 + (kWM > 1 ? 2 : 1) * block_n * (block_m + 8) * 2
+//   (kWM > 1 and not kAliasP: sP [kBlockN]), sLse [kStages][kBlockM], sD [kStages][kBlockM]
+//   config.smem_bytes: 2 * block_n * (head_dim + 8) * 2 + (1 or 2) * block_n * (block_m + 8) * 2
 //                      + stages * (2 * block_m * (head_dim + 8) * 2 + 2 * block_m * 4)
 //
 // Launch bounds: minBlocks 0 leaves ptxas its occupancy heuristic, except at d <= 64 with a mask, where
@@ -99,10 +107,12 @@ template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int k
 __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kLocal) ? 1 : 0)
     flash_bwd(const __grid_constant__ BwdParams p) {
     static_assert(sizeof(T) == 2, "tensor-core kernel: __half or __nv_bfloat16");
-    static_assert(kBlockN % 16 == 0 && kNWarps % (kBlockN / 16) == 0, "16 key rows per warp");
+    static_assert(kBlockN % 16 == 0 && kNWarps % (kBlockN / 16) == 0, "16 key rows per warp or more");
     constexpr int kNThreads = kNWarps * 32;
     constexpr int kPitch = kHeadDim + 8;
-    constexpr int kWN = kBlockN / 16;
+    constexpr int kMT = kNWarps == kBlockN / 16 && kBlockN % 32 == 0 && kHeadDim >= 96 ? 2 : 1;  // 16-key m-tiles a warp
+    constexpr int kWarpKeys = 16 * kMT;
+    constexpr int kWN = kBlockN / kWarpKeys;
     constexpr int kWM = kNWarps / kWN;
     constexpr int kQCols = kBlockM / kWM;   // query columns of S^T per warp
     constexpr int kDCols = kHeadDim / kWM;  // head-dim columns of dK / dV per warp
@@ -111,9 +121,13 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
     constexpr int kNTilesD = kDCols / 8;
     constexpr bool kPInSmem = kWM > 1;
     constexpr int kPPitch = kBlockM + 8;
-    // Q, dO, LSE and D in two buffers where that fits every target's shared memory (sm_80's), else one
-    constexpr unsigned kSmemFixed = 2 * kBlockN * kPitch * sizeof(T) + (kPInSmem ? 2 : 1) * kBlockN * kPPitch * sizeof(T);
+    // Q, dO, LSE and D in two buffers where that fits every target's shared memory (sm_80's), with sP beside sdS
+    // if it fits too, else in its place; else one buffer
+    constexpr unsigned kSmemKV = 2 * kBlockN * kPitch * sizeof(T);
+    constexpr unsigned kSmemTile = kBlockN * kPPitch * sizeof(T);  // sdS, sP
     constexpr unsigned kSmemPerStage = 2 * kBlockM * kPitch * sizeof(T) + 2 * kBlockM * sizeof(float);
+    constexpr bool kAliasP = kPInSmem && kSmemKV + 2 * kSmemTile + 2 * kSmemPerStage > kSmemPortable;
+    constexpr unsigned kSmemFixed = kSmemKV + (kPInSmem && !kAliasP ? 2 : 1) * kSmemTile;
     constexpr int kStages = kSmemFixed + 2 * kSmemPerStage <= kSmemPortable ? 2 : 1;
     constexpr unsigned kSmemBytes = kSmemFixed + kStages * kSmemPerStage;
     constexpr bool kIsDropout = (kVariant & kDropout) != 0;
@@ -141,8 +155,8 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
     T* sQ = sV + kBlockN * kPitch;
     T* sdO = sQ + kStages * kBlockM * kPitch;
     T* sdS = sdO + kStages * kBlockM * kPitch;
-    T* sP = sdS + kBlockN * kPPitch;
-    float* sLse = reinterpret_cast<float*>(sP + (kPInSmem ? kBlockN * kPPitch : 0));
+    T* sP = kAliasP ? sdS : sdS + kBlockN * kPPitch;
+    float* sLse = reinterpret_cast<float*>(sdS + (kPInSmem && !kAliasP ? 2 : 1) * kBlockN * kPPitch);
     float* sD = sLse + kStages * kBlockM;
 
     // [2] Block coordinates: n_block, kv head, batch; the mask gives the query blocks to visit
@@ -159,7 +173,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
     int m_block_first, m_block_end;
     mask.template m_block_range<kBlockM, kBlockN>(n_block, m_block_first, m_block_end);
     const int wn = warp % kWN, wm = warp / kWN;
-    const int key_row0 = wn * 16;       // this warp's key rows inside the block
+    const int key_row0 = wn * kWarpKeys;  // this warp's key rows inside the block
     const int q_col0 = wm * kQCols;     // this warp's query columns of S^T inside the block
     const int d_col0 = wm * kDCols;     // this warp's dK / dV columns
 
@@ -172,7 +186,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
     cp_async_commit();
 
     // Per-lane ldmatrix addresses (bytes, shared space); mma.cuh has the lane -> row maps.
-    // K, V as A operands (rows = this warp's 16 keys, k = head dim).
+    // K, V as A operands (rows = this warp's first 16 keys, k = head dim; m-tile mt 16 mt rows on).
     const unsigned k_a = smem_u32(sK + key_row0 * kPitch + ldsm_a_offset(lane, kPitch));
     const unsigned v_a = smem_u32(sV + key_row0 * kPitch + ldsm_a_offset(lane, kPitch));
     // Q, dO as B operands of K Q^T / V dO^T: [query][dim] tiles = [n][k], non-transposed.
@@ -190,11 +204,13 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
     const unsigned k_bt = smem_u32(sK + dq_col0 + ldsm_bt_offset(lane, kPitch));
     const int g = lane >> 2, t = lane & 3;
 
-    float acc_dk[kNTilesD][4], acc_dv[kNTilesD][4];
+    float acc_dk[kMT][kNTilesD][4], acc_dv[kMT][kNTilesD][4];
 #pragma unroll
-    for (int nd = 0; nd < kNTilesD; ++nd)
+    for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dk[nd][e] = acc_dv[nd][e] = 0.f;
+        for (int nd = 0; nd < kNTilesD; ++nd)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dk[mt][nd][e] = acc_dv[mt][nd][e] = 0.f;
     int* pending = nullptr;  // kDeterministic: the semaphore of the last dQ tile added into, and its turn
     int pending_turn = 0;
 
@@ -263,60 +279,78 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
         }
 
         // [4] Recompute S = Q K^T, score modifiers, mask, P = exp2(S * scale_log2 - LSE * log2(e))
-        // Computed as S^T = K Q^T: acc_s[ni][2h + e] is key key_row0 + g + 8h,
+        // Computed as S^T = K Q^T: acc_s[mt][ni][2h + e] is key key_row0 + 16*mt + g + 8h,
         // query q_col0 + 8*ni + 2t + e (C layout).
-        float acc_s[kNTilesQ][4];
+        float acc_s[kMT][kNTilesQ][4];
 #pragma unroll
-        for (int ni = 0; ni < kNTilesQ; ++ni)
+        for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc_s[ni][e] = 0.f;
+            for (int ni = 0; ni < kNTilesQ; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_s[mt][ni][e] = 0.f;
 #pragma unroll
         for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-            unsigned a[4];  // K rows key_row0 + {g, g+8}, dims 16*ks + {2t,2t+1,2t+8,2t+9}
-            ldmatrix_x4(a, k_a + ks * 16 * sizeof(T));
+            unsigned a[kMT][4];  // K rows key_row0 + 16*mt + {g, g+8}, dims 16*ks + {2t,2t+1,2t+8,2t+9}
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) ldmatrix_x4(a[mt], k_a + (mt * 16 * kPitch + ks * 16) * sizeof(T));
 #pragma unroll
             for (int np = 0; np < kNTilesQ / 2; ++np) {
                 unsigned b[4];  // {b0,b1} of queries 16*np + g, then of 16*np + 8 + g (k = dims)
                 ldmatrix_x4(b, q_b + qo_buf + (np * 16 * kPitch + ks * 16) * sizeof(T));
-                mma_16816<T>(acc_s[2 * np], a, b[0], b[1]);
-                mma_16816<T>(acc_s[2 * np + 1], a, b[2], b[3]);
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) {
+                    mma_16816<T>(acc_s[mt][2 * np], a[mt], b[0], b[1]);
+                    mma_16816<T>(acc_s[mt][2 * np + 1], a[mt], b[2], b[3]);
+                }
             }
         }
-        float dcap[kNTilesCap][4];  // d logit / d(scale * S): the softcap's 1 - tanh^2
-        if constexpr ((kVariant & kSoftcap) != 0) {
-            for_each_score_t<kNTilesQ>(key_begin + key_row0, row_begin + q_col0, lane,
-                                       [&](float& x, float& dc, int row, int col) { x = mod.apply(x, row, col, dc); },
-                                       acc_s, dcap);
-        } else if constexpr (Mod::kTransform) {
-            for_each_score_t<kNTilesQ>(key_begin + key_row0, row_begin + q_col0, lane, [&](float& x, int row, int col) {
-                float dc;
-                x = mod.apply(x, row, col, dc);
-            }, acc_s);
+        float dcap[kMT][kNTilesCap][4];  // d logit / d(scale * S): the softcap's 1 - tanh^2
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+            const int key0 = key_begin + key_row0 + 16 * mt;
+            if constexpr ((kVariant & kSoftcap) != 0) {
+                for_each_score_t<kNTilesQ>(key0, row_begin + q_col0, lane,
+                                           [&](float& x, float& dc, int row, int col) { x = mod.apply(x, row, col, dc); },
+                                           acc_s[mt], dcap[mt]);
+            } else if constexpr (Mod::kTransform) {
+                for_each_score_t<kNTilesQ>(key0, row_begin + q_col0, lane, [&](float& x, int row, int col) {
+                    float dc;
+                    x = mod.apply(x, row, col, dc);
+                }, acc_s[mt]);
+            }
         }
         if (mask.template needs_mask<kBlockM, kBlockN>(m_block, n_block)) {
             // d >= 128: lane through recompute, so that the walk's row / column offsets are not kept
             // across the loop (without it d = 128 spills; with it d = 32 does: the compile gate)
-            for_each_score_t<kNTilesQ>(key_begin + key_row0, row_begin + q_col0,
-                                       kHeadDim >= 128 ? recompute(lane) : lane,
-                                       [&](float& x, int row, int col) {
-                if (!mask.visible(row, col)) x = neg_inf<float>();
-            }, acc_s);
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+                for_each_score_t<kNTilesQ>(key_begin + key_row0 + 16 * mt, row_begin + q_col0,
+                                           kHeadDim >= 128 ? recompute(lane) : lane,
+                                           [&](float& x, int row, int col) {
+                    if (!mask.visible(row, col)) x = neg_inf<float>();
+                }, acc_s[mt]);
         }
 #pragma unroll
         for (int ni = 0; ni < kNTilesQ; ++ni)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const float lse_off = lse_to_log2_offset(lse_rows[q_col0 + 8 * ni + 2 * t + (e & 1)]);
-                acc_s[ni][e] = exp2f(acc_s[ni][e] * scale_log2 - lse_off);
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) acc_s[mt][ni][e] = exp2f(acc_s[mt][ni][e] * scale_log2 - lse_off);
             }
         if constexpr (kIsDropout) {
             // a dropped entry is kept as -P: dV reads max(P, 0) (its 1 / (1 - p) applied at the
             // store), dS below tells kept from dropped by the sign
-            Dropout(p.fwd, batch, head).for_each_keep_t(acc_s, key_begin + key_row0, row_begin + q_col0, lane,
-                                                        [](float& x, bool kept) { if (!kept) x = -x; });
+            const Dropout dropout(p.fwd, batch, head);
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+                dropout.for_each_keep_t(acc_s[mt], key_begin + key_row0 + 16 * mt, row_begin + q_col0, lane,
+                                        [](float& x, bool kept) { if (!kept) x = -x; });
         }
         if constexpr (kPInSmem) {
-            acc_to_smem<T, kNTilesQ, kPPitch>(sP, acc_s, key_row0, q_col0, lane, 1.f, kIsDropout);
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+                acc_to_smem<T, kNTilesQ, kPPitch>(sP, acc_s[mt], key_row0 + 16 * mt, q_col0, lane, 1.f, kIsDropout);
             __syncthreads();
         }
 
@@ -324,38 +358,52 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
         // A = P^T (keys x queries, k-slice kq = queries 16*kq..+15); B = dO (k = queries, n = dims).
 #pragma unroll
         for (int kq = 0; kq < kBlockM / 16; ++kq) {
-            unsigned a[4];
-            if constexpr (kPInSmem) {
-                ldmatrix_x4(a, p_a + kq * 16 * sizeof(T));
-            } else {
-                acc_to_a<T>(a, acc_s[2 * kq], acc_s[2 * kq + 1], kIsDropout);
+            unsigned a[kMT][4];
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) {
+                if constexpr (kPInSmem) {
+                    ldmatrix_x4(a[mt], p_a + (mt * 16 * kPPitch + kq * 16) * sizeof(T));
+                } else {
+                    acc_to_a<T>(a[mt], acc_s[mt][2 * kq], acc_s[mt][2 * kq + 1], kIsDropout);
+                }
             }
 #pragma unroll
             for (int np = 0; np < kNTilesD / 2; ++np) {
                 unsigned b[4];  // {b0,b1} of dims d_col0 + 16*np + g, then + 8 (k = queries), via .trans
                 ldmatrix_x4_trans(b, do_bt + qo_buf + (kq * 16 * kPitch + np * 16) * sizeof(T));
-                mma_16816<T>(acc_dv[2 * np], a, b[0], b[1]);
-                mma_16816<T>(acc_dv[2 * np + 1], a, b[2], b[3]);
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) {
+                    mma_16816<T>(acc_dv[mt][2 * np], a[mt], b[0], b[1]);
+                    mma_16816<T>(acc_dv[mt][2 * np + 1], a[mt], b[2], b[3]);
+                }
             }
         }
 
+        if constexpr (kAliasP) __syncthreads();  // every warp's dV has read sP, which dS^T overwrites
+
         // [6] dP = dO V^T
         // Computed as dP^T = V dO^T, same layout as acc_s.
-        float acc_dp[kNTilesQ][4];
+        float acc_dp[kMT][kNTilesQ][4];
 #pragma unroll
-        for (int ni = 0; ni < kNTilesQ; ++ni)
+        for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc_dp[ni][e] = 0.f;
+            for (int ni = 0; ni < kNTilesQ; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_dp[mt][ni][e] = 0.f;
 #pragma unroll
         for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-            unsigned a[4];  // V rows key_row0 + {g, g+8}, dims 16*ks + ...
-            ldmatrix_x4(a, v_a + ks * 16 * sizeof(T));
+            unsigned a[kMT][4];  // V rows key_row0 + 16*mt + {g, g+8}, dims 16*ks + ...
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) ldmatrix_x4(a[mt], v_a + (mt * 16 * kPitch + ks * 16) * sizeof(T));
 #pragma unroll
             for (int np = 0; np < kNTilesQ / 2; ++np) {
                 unsigned b[4];  // dO rows as B columns, as for Q above
                 ldmatrix_x4(b, do_b + qo_buf + (np * 16 * kPitch + ks * 16) * sizeof(T));
-                mma_16816<T>(acc_dp[2 * np], a, b[0], b[1]);
-                mma_16816<T>(acc_dp[2 * np + 1], a, b[2], b[3]);
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) {
+                    mma_16816<T>(acc_dp[mt][2 * np], a[mt], b[0], b[1]);
+                    mma_16816<T>(acc_dp[mt][2 * np + 1], a[mt], b[2], b[3]);
+                }
             }
         }
 
@@ -368,17 +416,22 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const float d = d_rows[q_col0 + 8 * ni + 2 * t + (e & 1)];
-                float ds;
-                if constexpr (kIsDropout) {
-                    ds = acc_s[ni][e] >= 0.f ? acc_s[ni][e] * (acc_dp[ni][e] * static_cast<float>(p.fwd.dropout_scale) - d)
-                                             : acc_s[ni][e] * d;
-                } else {
-                    ds = acc_s[ni][e] * (acc_dp[ni][e] - d);
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) {
+                    const float s = acc_s[mt][ni][e], dp = acc_dp[mt][ni][e];
+                    float ds;
+                    if constexpr (kIsDropout) {
+                        ds = s >= 0.f ? s * (dp * static_cast<float>(p.fwd.dropout_scale) - d) : s * d;
+                    } else {
+                        ds = s * (dp - d);
+                    }
+                    if constexpr ((kVariant & kSoftcap) != 0) ds *= dcap[mt][ni][e];
+                    acc_dp[mt][ni][e] = ds;
                 }
-                if constexpr ((kVariant & kSoftcap) != 0) ds *= dcap[ni][e];
-                acc_dp[ni][e] = ds;
             }
-        acc_to_smem<T, kNTilesQ, kPPitch>(sdS, acc_dp, key_row0, q_col0, lane, 1.f);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+            acc_to_smem<T, kNTilesQ, kPPitch>(sdS, acc_dp[mt], key_row0 + 16 * mt, q_col0, lane, 1.f);
         // kDeterministic: hand the previous tile on, then wait for this tile's turn. The release is cumulative:
         // every thread's adds, ordered before it by the barriers, are visible to whoever acquires the new count
         // (as CUTLASS's semaphore: no fence in the adding threads). An iteration late, so that the release
@@ -401,18 +454,24 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
         // A = dS^T (keys x queries); B = Q (k = queries, n = dims).
 #pragma unroll
         for (int kq = 0; kq < kBlockM / 16; ++kq) {
-            unsigned a[4];
-            if constexpr (kPInSmem) {
-                ldmatrix_x4(a, ds_a + kq * 16 * sizeof(T));
-            } else {
-                acc_to_a<T>(a, acc_dp[2 * kq], acc_dp[2 * kq + 1]);
+            unsigned a[kMT][4];
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) {
+                if constexpr (kPInSmem) {
+                    ldmatrix_x4(a[mt], ds_a + (mt * 16 * kPPitch + kq * 16) * sizeof(T));
+                } else {
+                    acc_to_a<T>(a[mt], acc_dp[mt][2 * kq], acc_dp[mt][2 * kq + 1]);
+                }
             }
 #pragma unroll
             for (int np = 0; np < kNTilesD / 2; ++np) {
                 unsigned b[4];
                 ldmatrix_x4_trans(b, q_bt + qo_buf + (kq * 16 * kPitch + np * 16) * sizeof(T));
-                mma_16816<T>(acc_dk[2 * np], a, b[0], b[1]);
-                mma_16816<T>(acc_dk[2 * np + 1], a, b[2], b[3]);
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) {
+                    mma_16816<T>(acc_dk[mt][2 * np], a[mt], b[0], b[1]);
+                    mma_16816<T>(acc_dk[mt][2 * np + 1], a[mt], b[2], b[3]);
+                }
             }
         }
 
@@ -467,8 +526,13 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
     // [10] Store dK * softmax_scale and dV
     cp_async_wait<0>();  // K, V copies may still be in flight when no query block was visited
     __syncthreads();
-    acc_to_smem<T, kNTilesD, kPitch>(sK, acc_dk, key_row0, d_col0, lane, static_cast<float>(p.fwd.softmax_scale));
-    acc_to_smem<T, kNTilesD, kPitch>(sV, acc_dv, key_row0, d_col0, lane, kIsDropout ? static_cast<float>(p.fwd.dropout_scale) : 1.f);
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+        acc_to_smem<T, kNTilesD, kPitch>(sK, acc_dk[mt], key_row0 + 16 * mt, d_col0, lane,
+                                         static_cast<float>(p.fwd.softmax_scale));
+        acc_to_smem<T, kNTilesD, kPitch>(sV, acc_dv[mt], key_row0 + 16 * mt, d_col0, lane,
+                                         kIsDropout ? static_cast<float>(p.fwd.dropout_scale) : 1.f);
+    }
     __syncthreads();
     T* dk = static_cast<T*>(p.dk) + seq.k_offset(batch, p.dk_batch_stride, p.dk_row_stride) + head_k * p.dk_head_stride +
             key_begin * p.dk_row_stride;
