@@ -1,11 +1,11 @@
 """A tiny sweep of the CUDA kernels for compute-sanitizer (bench/sanitize.sh runs it under memcheck
 and racecheck): odd lengths, seqlen_k of 0 and 1, causal rows that see no key, every dtype, head
-dims 40 / 64 / 128 / 256, GQA, forward and backward (non-causal cases deterministic=True: the dQ semaphores;
-causal ones atomic, which on sm_90 is the Hopper backward up to d = 128), through
-the public API with backend="cuda"; then the attention variants (window, softcap, ALiBi, dropout) on
-packed varlen batches with an empty sequence, every dtype (the backward's atomic dQ adds); then
-flash_attn_with_kvcache, dense and paged caches: the decode kernel, split and not, and query chunks past its
-rows (on sm_90 the Hopper forward).
+dims 40 / 64 / 128 / 256, GQA, two grids wide enough for the mma.sync backward's main tile, forward and
+backward (non-causal cases deterministic=True: the dQ semaphores; causal ones atomic, which on sm_90 is
+the Hopper backward up to d = 128), through the public API with backend="cuda"; then the attention
+variants (window, softcap, ALiBi, dropout) on packed varlen batches with an empty sequence, every dtype
+(the backward's atomic dQ adds); then flash_attn_with_kvcache, dense and paged caches: the decode
+kernel, split and not, and query chunks past its rows (on sm_90 the Hopper forward).
 
     python3 bench/sanitize_cases.py [--quick] [--family mma|sm90]
 
@@ -41,7 +41,12 @@ def cases(quick: bool = False):
         sq, sk = SEQLENS[(i // 2 + 4 * (i % 2)) % len(SEQLENS)]
         b, h, hk = (2, 2, 1) if (i // 2) % 2 else (1, 3, 3)
         out.append((dtype, b, sq, sk, h, hk, d, causal))
-    return out[::3] if quick else out
+    return (out[::3] if quick else out) + WIDE_GRID
+
+
+# Grids of at least 66 key blocks (half an H200's SMs), so that the mma.sync backward takes its main tile, not
+# the small-grid one (config.choose_backward): at d = 128 64 x 128, P^T in dS^T's shared tile.
+WIDE_GRID = [("bfloat16", 1, 97, 200, 40, 40, 128, False), ("float16", 1, 200, 200, 80, 40, 128, True)]
 
 
 # Variant cases: (dtype, head_dim, sequence lengths q, sequence lengths k, heads, kv heads, keywords).
