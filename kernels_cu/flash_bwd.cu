@@ -82,8 +82,8 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_preprocess(const __gri
 // 32 key rows a warp (kMT = 2) where 16 would leave one warp on all of a block's queries, from d = 96: every
 // product then reads fewer operand bytes from shared memory (at 64 x 128, d = 128: K and Q rows 32 + 32 a warp
 // for S^T against 16 + 64; dO and P^T 64 + 32 for dV against 128), at the cost of P^T through shared memory
-// (measured on an H200, bench/RESULTS.md 2026-12-04 (k): 1.04x at d = 128; at d = 32 and 64, whose S^T products
-// are short, 0.86x and 0.97x).
+// (measured on an H200, bench/RESULTS.md 2026-12-04 (k): 1.03-1.05x at d = 128; at d = 32 and 64, whose S^T
+// products are short, 0.86x and 0.95-0.97x).
 // With kWM == 1 a warp's P^T / dS^T rows are exactly the A operands it needs, converted in registers.
 // With kWM > 1 they go through shared memory (sP, sdS) so that each warp sees all kBlockM queries; sP is sdS
 // (kAliasP) where two tiles would leave room for one stage of Q and dO only (a barrier then parts dV's reads of
@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
     static_assert(kBlockN % 16 == 0 && kNWarps % (kBlockN / 16) == 0, "16 key rows per warp or more");
     constexpr int kNThreads = kNWarps * 32;
     constexpr int kPitch = kHeadDim + 8;
-    constexpr int kMT = kNWarps == kBlockN / 16 && kBlockN % 32 == 0 && kHeadDim >= 96 ? 2 : 1;  // 16-key m-tiles a warp
+    constexpr int kMT = kNWarps == kBlockN / 16 && kBlockN % 32 == 0 && kHeadDim >= 96 ? 2 : 1;  // m-tiles a warp
     constexpr int kWarpKeys = 16 * kMT;
     constexpr int kWN = kBlockN / kWarpKeys;
     constexpr int kWM = kNWarps / kWN;
@@ -310,7 +310,9 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
             const int key0 = key_begin + key_row0 + 16 * mt;
             if constexpr ((kVariant & kSoftcap) != 0) {
                 for_each_score_t<kNTilesQ>(key0, row_begin + q_col0, lane,
-                                           [&](float& x, float& dc, int row, int col) { x = mod.apply(x, row, col, dc); },
+                                           [&](float& x, float& dc, int row, int col) {
+                                               x = mod.apply(x, row, col, dc);
+                                           },
                                            acc_s[mt], dcap[mt]);
             } else if constexpr (Mod::kTransform) {
                 for_each_score_t<kNTilesQ>(key0, row_begin + q_col0, lane, [&](float& x, int row, int col) {
