@@ -82,10 +82,10 @@ def gpu_status() -> tuple[bool, str]:
     """(a CUDA GPU is usable through CuPy, why not).
 
     The reasons, checked in this order: "no NVIDIA driver found (...)" when the driver's CUDA
-    library (libcuda.so.1) cannot be loaded or the CUDA runtime reports no driver; "CuPy is not
-    importable (...)"; "driver too old for this CuPy (driver supports CUDA X, CuPy needs Y)" for
-    cudaErrorInsufficientDriver; "no CUDA device visible (...)" for cudaErrorNoDevice or a device
-    count of 0; any other CUDA error as "CUDA cannot be initialized (...)".
+    library (libcuda.so.1) cannot be loaded; "CuPy is not importable (...)"; "no NVIDIA driver
+    found (...)" again when the CUDA runtime reports driver version 0; "driver too old for this CuPy (driver supports
+    CUDA X, CuPy needs Y)" for cudaErrorInsufficientDriver; "no CUDA device visible (...)" for cudaErrorNoDevice or a
+    device count of 0; any other CUDA error as "CUDA cannot be initialized (...)".
     """
     load_error = _driver_load_error()
     if load_error is not None:

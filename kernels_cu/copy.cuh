@@ -149,7 +149,7 @@ __device__ __forceinline__ void store_tile(T* gbase, long long row_stride, const
 template <typename T, int kNTiles, int kPitch>
 __device__ __forceinline__ void acc_to_smem(T* smem, const float (&acc)[kNTiles][4], int row0, int col0, int lane,
                                             float scale, bool relu = false) {
-    // relu: negative entries as 0 (the dK/dV kernel keeps dropped P entries as -P)
+    // relu: negative entries as 0 (the backward keeps dropped P entries as -P)
     auto x = [scale, relu](float v) { return (relu ? fmaxf(v, 0.f) : v) * scale; };
     const int g = lane >> 2, t = lane & 3;
     T* r0 = smem + (row0 + g) * kPitch + col0 + 2 * t;

@@ -50,7 +50,7 @@ struct Dropout {
         return kept(word == 0 ? w.x : word == 1 ? w.y : word == 2 ? w.z : w.w, col % 2);
     }
 
-    // [3] Keep flags of a warp's tile in the mma.sync C layout, one call per 16 x 16 (forward, dQ)
+    // [3] Keep flags of a warp's tile in the mma.sync C layout, one call per 16 x 16 (forward)
     // mma.cuh's for_each_score order: f(x, kept) per score. row0 and col0 are multiples of 16; one call per 16 x 16.
     template <int kMTiles, int kNTiles, typename F>
     __device__ __forceinline__ void for_each_keep(float (&acc)[kMTiles][kNTiles][4], int row0, int col0, int lane,
@@ -71,7 +71,7 @@ struct Dropout {
             }
     }
 
-    // The same on the dK/dV kernel's S^T tile (for_each_score_t): a thread holds queries 2t + e (+8)
+    // The same on the backward's S^T tile (for_each_score_t): a thread holds queries 2t + e (+8)
     // and keys g (+8) of each 16 x 16 tile, so it needs the draws of lanes (g', t') = (2t + e, g / 2),
     // 4 words from each (half g % 2 of every word). Each lane makes its own call, as in
     // for_each_keep, and takes those 8 words by shuffles: one Philox call per tile, not two.

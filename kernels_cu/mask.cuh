@@ -104,7 +104,7 @@ struct Mask {
         hi = c1 > c0 ? ceil_div(c1, kBlockN) : lo;
     }
 
-    // [3] Query blocks that see a key block: [lo, hi) (the dK/dV kernel's loop)
+    // [3] Query blocks that see a key block: [lo, hi) (the backward's loop)
     template <int kBlockM, int kBlockN>
     __device__ __forceinline__ void m_block_range(int n_block, int& lo, int& hi) const {
         const int col0 = n_block * kBlockN, col1 = min(col0 + kBlockN, seqlen_k);

@@ -90,7 +90,7 @@ __device__ __forceinline__ int ldsm_bt_offset(int lane, int stride) {
     return ldsm_bt_row(lane) * stride + ldsm_bt_chunk(lane) * 8;
 }
 
-// A operand from a [k][m] tile (A[m][k] = tile[k][m], e.g. dS from the dK/dV kernel's [key][query] dS^T),
+// A operand from a [k][m] tile (A[m][k] = tile[k][m], e.g. dS from the backward's [key][query] dS^T),
 // with ldmatrix .trans: matrices j = 0..3 are (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15),
 // (m 8-15, k 8-15) = a0..a3, matrix j stored at tile rows k = 8 * (j >> 1) + 0..7, columns m = 8 * (j & 1):
 // lane l addresses row k = (l & 7) + 8 * (l >> 4), column m = 8 * ((l >> 3) & 1), ldsm_b_offset's map.
@@ -104,7 +104,7 @@ __device__ __forceinline__ int ldsm_at_offset(int lane, int stride) {
 template <typename T>
 __device__ __forceinline__ void acc_to_a(unsigned (&a)[4], const float (&acc0)[4], const float (&acc1)[4],
                                          bool relu = false) {
-    // relu: negative entries as 0 (the dK/dV kernel keeps dropped P entries as -P)
+    // relu: negative entries as 0 (the backward keeps dropped P entries as -P)
     auto x = [relu](float v) { return relu ? fmaxf(v, 0.f) : v; };
     a[0] = pack2<T>(x(acc0[0]), x(acc0[1]));
     a[1] = pack2<T>(x(acc0[2]), x(acc0[3]));
@@ -116,7 +116,7 @@ __device__ __forceinline__ void acc_to_a(unsigned (&a)[4], const float (&acc0)[4
 // f(x..., row, col) for each score a thread holds, with x the element of each array in `tiles`
 // (score tiles of one shape: S, and what goes with it, such as the softcap derivative).
 //
-// S = Q K^T (forward, dQ): kMTiles x kNTiles accumulators of 16 x 8 in the C layout; tile[mi][ni][2h + e]
+// S = Q K^T (forward): kMTiles x kNTiles accumulators of 16 x 8 in the C layout; tile[mi][ni][2h + e]
 // is query row row0 + 16 mi + g + 8 h, key col0 + 8 ni + 2 t + e.
 template <int kMTiles, int kNTiles, typename F, typename... Tiles>
 __device__ __forceinline__ void for_each_score(int row0, int col0, int lane, F&& f, Tiles&... tiles) {

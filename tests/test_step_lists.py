@@ -98,7 +98,7 @@ DECODE_STEPS = [
 MASK_STEPS = [
     (1, "Keys a row sees: [col_lo(row), col_hi(row)), inside the sequence and the window"),
     (2, "Key blocks a query block visits: [lo, hi), those some row of the block sees (lo >= hi: none)"),
-    (3, "Query blocks that see a key block: [lo, hi) (the dK/dV kernel's loop)"),
+    (3, "Query blocks that see a key block: [lo, hi) (the backward's loop)"),
     (4, "Does a tile hold a score some row must not see? (it crosses seqlen_k, or a window edge)"),
     (5, "Score modifiers: q.k -> softcap * tanh(scale * q.k / softcap) - slope * |i' - j|."),
 ]
@@ -111,7 +111,7 @@ SEQINFO_STEPS = [
 DROPOUT_STEPS = [
     (1, "Draws: the 4 words of one Philox call, tile (row / 16, col / 16), lane (g, t)"),
     (2, "Keep flag of one score (SIMT kernels): a whole Philox call for one draw"),
-    (3, "Keep flags of a warp's tile in the mma.sync C layout, one call per 16 x 16 (forward, dQ)"),
+    (3, "Keep flags of a warp's tile in the mma.sync C layout, one call per 16 x 16 (forward)"),
 ]
 # kernels_cu/softmax.cuh (OnlineSoftmax init / update / finalize) and cuflash/proto/softmax.py
 # (softmax_init / softmax_update / softmax_finalize).

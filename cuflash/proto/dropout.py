@@ -80,7 +80,7 @@ def keep(key0, key1, bh, offset, threshold, row, col):
 def keep_tile(key0, key1, bh, offset, threshold, flags, row0, col0):
     # flags (rows, cols), multiples of 16: flags[i, j] is the keep flag of score (row0 + i, col0 + j);
     # row0 and col0 are multiples of 16.
-    # [3] Keep flags of a warp's tile in the mma.sync C layout, one call per 16 x 16 (forward, dQ)
+    # [3] Keep flags of a warp's tile in the mma.sync C layout, one call per 16 x 16 (forward)
     for mi in range(flags.shape[0] // 16):
         for np_ in range(flags.shape[1] // 16):
             for lane in range(32):  # the warp's lanes, each holding 8 scores of the 16 x 16 tile

@@ -72,7 +72,7 @@ def key_block_range(is_local, left, right, seqlen_q, seqlen_k, block_n, row0, ro
 
 @cuda.jit(device=True)
 def m_block_range(is_local, left, right, seqlen_q, seqlen_k, block_m, block_n, n_block):
-    # [3] Query blocks that see a key block: [lo, hi) (the dK/dV kernel's loop)
+    # [3] Query blocks that see a key block: [lo, hi) (the backward's loop)
     shift = seqlen_k - seqlen_q
     col0 = n_block * block_n
     col1 = min(col0 + block_n, seqlen_k)
