@@ -137,6 +137,10 @@ def merge_states_list(os, lses):
     leading axis; lses: the matching lse arrays (batch, nheads, seqlen) (or stacked). Every part has
     the same shape and dtype. o comes back in the inputs' dtype, lse in float32 (float64 for float64).
     """
+    for name, parts in (("os", os), ("lses", lses)):
+        if not hasattr(parts, "__iter__") or isinstance(parts, (str, bytes)):
+            raise TypeError(f"merge: {name} must be a sequence of arrays or one stacked array, got "
+                            f"{type(parts).__name__}")
     os, lses = list(os), list(lses)
     arrays = os + lses
     for x in arrays:

@@ -169,6 +169,8 @@ def test_errors():
         merge_states_list([], [])
     with pytest.raises(ValueError):
         merge_states_list([o, o], [l])
+    with pytest.raises(TypeError, match="merge: os must be a sequence of arrays or one stacked array, got NoneType"):
+        merge_states_list(None, None)
 
 
 def test_exported():
