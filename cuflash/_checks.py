@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 
+from ._params import UNBOUNDED
 from .config import DTYPES, MAX_HEAD_DIM, dtype_name
 
 LAYOUTS = ("bshd", "bhsd")
@@ -98,20 +99,33 @@ def check_head_dim(d: int) -> None:
         raise ValueError(f"head_dim must be a positive multiple of 8 (pad q, k, v to one), got {d}")
 
 
+# The kernels scale scores in float32 (fp16, bf16, fp32 inputs): a factor outside its normal range would
+# become 0 or inf there (or a denormal, flushed to 0), and the softmax NaN.
+FLOAT32_NORMAL = (float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max))
+
+
+def _to_float(x) -> float:
+    try:
+        return float(x)
+    except OverflowError:  # an int too large for a float
+        return math.inf
+
+
 def check_softmax_scale(scale, head_dim: int) -> float:
     """None (1 / sqrt(head_dim)), or a real number: int, float, a NumPy integer or floating scalar.
-    bool, str, complex and arrays are the wrong type; the value must be finite and > 0."""
+    bool, str, complex and arrays are the wrong type; the value must be positive and a normal float32."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"softmax_scale: expected None or a real number (int, float, NumPy integer or floating "
                         f"scalar), got {scale!r} of type {type(scale).__name__}")
-    try:
-        s = float(scale)
-    except OverflowError:  # an int too large for a float
-        s = math.inf
+    s = _to_float(scale)
     if not math.isfinite(s) or s <= 0.0:
         raise ValueError(f"softmax_scale: expected a finite positive number, got {scale!r}")
+    if not FLOAT32_NORMAL[0] <= s <= FLOAT32_NORMAL[1]:
+        raise ValueError(f"softmax_scale: expected a number within float32's normal range "
+                         f"[{FLOAT32_NORMAL[0]:.4g}, {FLOAT32_NORMAL[1]:.4g}] (the kernels scale in float32), "
+                         f"got {scale!r}")
     return s
 
 
@@ -138,10 +152,28 @@ def _is_jax(x) -> bool:
 
 def check_writable(name: str, x) -> None:
     """An array cuflash writes into in place (out=, dq=, dk=, dv=, a KV cache it appends to): not a JAX array,
-    which JAX holds immutable (XLA may share its buffer with other arrays, or reuse it)."""
+    which JAX holds immutable (XLA may share its buffer with other arrays, or reuse it); not a read-only NumPy
+    array; no two elements at one address (a zero stride: a broadcast view). Checked before anything is
+    written."""
     if _is_jax(x):
         raise TypeError(f"{name}: a JAX array cannot be written in place (JAX arrays are immutable); use the "
                         f"result cuflash returns, or a CuPy / torch array")
+    if isinstance(x, np.ndarray) and not x.flags.writeable:
+        raise ValueError(f"{name}: the array is read-only (a broadcast view, or writeable=False); pass a writable "
+                         f"array")
+    strides, _ = _byte_strides(x)
+    if math.prod(x.shape) > 0 and any(s == 0 and n > 1 for n, s in zip(x.shape, strides)):
+        raise ValueError(f"{name}: elements must not share memory (a zero stride, as in a broadcast view), got "
+                         f"strides {strides} bytes for shape {tuple(x.shape)}")
+
+
+def _last_dim_strided(x) -> int | None:
+    """The last dimension's stride in bytes where it is not unit (the kernels' 16-byte rows need unit), else
+    None; an array without elements has no stride to keep (NumPy gives them any)."""
+    strides, itemsize = _byte_strides(x)
+    if x.shape[-1] > 1 and math.prod(x.shape) > 0 and strides[-1] != itemsize:
+        return strides[-1]
+    return None
 
 
 def check_out(out, shape: tuple, dtype: str, inputs: dict, name: str = "out") -> None:
@@ -156,9 +188,15 @@ def check_out(out, shape: tuple, dtype: str, inputs: dict, name: str = "out") ->
         got = str(out.dtype)
     if got != dtype:
         raise TypeError(f"{name}: dtype must be {dtype} (q's), got {got}")
-    strides, itemsize = _byte_strides(out)
-    if out.shape[-1] > 1 and strides[-1] != itemsize:
-        raise ValueError(f"{name}: the last dimension must be contiguous (stride {itemsize} bytes), got {strides[-1]}")
+    stride = _last_dim_strided(out)
+    if stride is not None:
+        raise ValueError(f"{name}: the last dimension must be contiguous (stride {out.dtype.itemsize} bytes), "
+                         f"got {stride}")
+    check_no_overlap(name, out, inputs)
+
+
+def check_no_overlap(name: str, out, inputs: dict) -> None:
+    """An array written in place shares no memory with any array the call reads (inputs: name -> array)."""
     for other, x in inputs.items():
         if _overlaps(out, x):
             raise ValueError(f"{name}: must not share memory with {other}")
@@ -229,22 +267,27 @@ def _is_real(x) -> bool:
 
 
 def check_window(window) -> tuple[int, int]:
-    """window=(left, right): a pair of ints, each >= -1 (-1: unbounded on that side)."""
+    """window=(left, right): a pair of ints, each >= -1 (-1: unbounded on that side). A side of UNBOUNDED
+    (2**30) keys or more reaches past any sequence the kernels index (int32, below 2**30 rows): it is -1."""
     if not isinstance(window, (tuple, list)) or len(window) != 2 or not all(_is_int(x) for x in window):
         raise TypeError(f"window: expected a pair of ints (left, right), -1 for unbounded, got {window!r}")
     left, right = int(window[0]), int(window[1])
     if left < -1 or right < -1:
         raise ValueError(f"window: each side must be >= -1 (-1: unbounded), got {(left, right)}")
-    return left, right
+    return tuple(-1 if x >= UNBOUNDED else x for x in (left, right))
 
 
 def check_softcap(softcap) -> float:
     """softcap: a real number, 0 (off) or finite and > 0."""
     if not _is_real(softcap):
         raise TypeError(f"softcap: expected a real number (0 for off), got {softcap!r} of type {type(softcap).__name__}")
-    c = float(softcap)
+    c = _to_float(softcap)
     if not math.isfinite(c) or c < 0:
         raise ValueError(f"softcap: expected 0 (off) or a finite positive number, got {softcap!r}")
+    if c and not FLOAT32_NORMAL[0] <= c <= FLOAT32_NORMAL[1]:
+        raise ValueError(f"softcap: expected 0 (off) or a number within float32's normal range "
+                         f"[{FLOAT32_NORMAL[0]:.4g}, {FLOAT32_NORMAL[1]:.4g}] (the kernels cap in float32), "
+                         f"got {softcap!r}")
     return c
 
 
@@ -252,7 +295,7 @@ def check_dropout_p(dropout_p) -> float:
     if not _is_real(dropout_p):
         raise TypeError(f"dropout_p: expected a real number in [0, 1), got {dropout_p!r} of type "
                         f"{type(dropout_p).__name__}")
-    p = float(dropout_p)
+    p = _to_float(dropout_p)
     if not 0.0 <= p < 1.0:  # NaN fails too
         raise ValueError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
     return p
@@ -377,10 +420,10 @@ def check_kv_cache(q, k_cache, v_cache, block_table) -> tuple[int, int]:
         raise ValueError(f"k_cache: nheads_k must divide q's nheads ({h}), got nheads_k={hk}")
     check_head_dim(d)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-        strides, itemsize = _byte_strides(x)
-        if x.shape[-1] > 1 and strides[-1] != itemsize:
+        stride = _last_dim_strided(x)
+        if stride is not None:
             raise ValueError(f"{name}: the last dimension must be contiguous (the cache is written in place), "
-                             f"got a stride of {strides[-1]} bytes")
+                             f"got a stride of {stride} bytes")
     if block_table is None:
         if first != b:
             raise ValueError(f"k_cache: batch must equal q's ({b}), got {first}")

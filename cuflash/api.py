@@ -124,6 +124,11 @@ def _validate_qkv(q, k, v, layout: str):
     return dt, qb, kb, vb
 
 
+def _inputs(**arrays) -> dict:
+    """The arrays a call reads that are given (an output must share memory with none of them)."""
+    return {name: x for name, x in arrays.items() if x is not None}
+
+
 def _check_grad_outs(inputs: dict, dq, dk, dv, dtype: str) -> dict:
     """dq=, dk=, dv= checked like out= (q's, k's, v's shape), and against each other; returns them."""
     grads = {"dq": dq, "dk": dk, "dv": dv}
@@ -204,7 +209,7 @@ def _forward(q, k, v, *, causal, softmax_scale, layout, backend, out, key=None,
     scale = _checks.check_softmax_scale(softmax_scale, d)
     vkw, _ = _variants(causal, window, softcap, alibi_slopes, dropout_p, seed, offset, b, h)
     if out is not None:
-        _checks.check_out(out, tuple(q.shape), dt, {"q": q, "k": k, "v": v})
+        _checks.check_out(out, tuple(q.shape), dt, _inputs(q=q, k=k, v=v, alibi_slopes=alibi_slopes))
     call = _Call(q, layout, backend, {"q": q, "k": k, "v": v, "out": out, "alibi_slopes": alibi_slopes})
     outputs = () if out is None else (out,)
     with call.context():
@@ -284,7 +289,7 @@ def _backward(dout, q, k, v, o, lse, *, causal, softmax_scale, layout, backend, 
     scale = _checks.check_softmax_scale(softmax_scale, d)
     vkw, _ = _variants(causal, window, softcap, alibi_slopes, dropout_p, seed, offset, b, h)
     inputs = {"dout": dout, "q": q, "k": k, "v": v, "o": o, "lse": lse}
-    grads = _check_grad_outs(inputs, dq, dk, dv, dt)
+    grads = _check_grad_outs(_inputs(**inputs, alibi_slopes=alibi_slopes), dq, dk, dv, dt)
     call = _Call(q, layout, backend, {**inputs, **grads, "alibi_slopes": alibi_slopes})
     with call.context():
         arrs, works = zip(*((x, call.working_out(x)) if x is not None else call.new(like.shape, numpy_dtype(dt))
@@ -306,6 +311,9 @@ def _backward(dout, q, k, v, o, lse, *, causal, softmax_scale, layout, backend, 
         if b and h and (sq or kb.shape[1]):
             call.be.backward(*ins, causal=causal, softmax_scale=scale, deterministic=deterministic,
                              dq=g[0], dk=g[1], dv=g[2], workspace=workspace, **vkw)
+        elif not h:  # no query head reads the keys (nheads_k may be > 0): they get no gradient
+            for x in g[1:]:
+                x[...] = 0
     for x, w in zip((dq, dk, dv), works):
         if x is not None:
             call.write_back(x, w)
@@ -344,7 +352,7 @@ def _varlen_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     longest = {}
     for name, cu, x, packed in (("cu_seqlens_q", cu_seqlens_q, q, "q"), ("cu_seqlens_k", cu_seqlens_k, k, "k")):
         # Reading device values needs a sync: only with check_inputs=True.
-        if _interop.is_numpy(cu) or check_inputs:
+        if not _on_device(cu) or check_inputs:
             longest[name] = _checks.check_cu_seqlens_values(name, _interop.to_host(cu), int(x.shape[0]), packed)
     max_q = _checks.check_max_seqlen("max_seqlen_q", max_seqlen_q, longest.get("cu_seqlens_q"))
     max_k = _checks.check_max_seqlen("max_seqlen_k", max_seqlen_k, longest.get("cu_seqlens_k"))
@@ -370,7 +378,8 @@ def flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                   (window, softcap, alibi_slopes, dropout_p, seed, offset))
     _checks.check_array("out", out, optional=True)
     if out is not None:
-        _checks.check_out(out, tuple(q.shape), dt, {"q": q, "k": k, "v": v})
+        _checks.check_out(out, tuple(q.shape), dt, _inputs(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
+                                                           cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes))
     call = _Call(q, "bshd", backend, {"q": q, "k": k, "v": v, "out": out, "cu_seqlens_q": cu_seqlens_q,
                                       "cu_seqlens_k": cu_seqlens_k, "alibi_slopes": alibi_slopes})
     with call.context():
@@ -416,7 +425,8 @@ def flash_attn_varlen_backward(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k
         raise ValueError(f"lse: expected shape {(q.shape[1], q.shape[0])} (nheads, total_q), got {tuple(lse.shape)}")
     _checks.check_lse(lse, tuple(lse.shape), lse_dtype(dt))
     inputs = {"dout": dout, "q": q, "k": k, "v": v, "o": o, "lse": lse}
-    grads = _check_grad_outs(inputs, dq, dk, dv, dt)
+    grads = _check_grad_outs(_inputs(**inputs, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                     alibi_slopes=alibi_slopes), dq, dk, dv, dt)
     call = _Call(q, "bshd", backend, {**inputs, **grads, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
                                       "alibi_slopes": alibi_slopes})
     with call.context():
@@ -574,6 +584,11 @@ def _with_kvcache(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, caus
             _checks.check_block_table_values(host, num_pages)
     scale = _checks.check_softmax_scale(softmax_scale, d)
     vkw, _ = _variants(causal, window, softcap, alibi_slopes, _OFF, _ZERO, _ZERO, b, h)
+    if seqlen_new:  # the caches are written: they share memory with nothing the call reads, nor each other
+        read = _inputs(q=q, k=k, v=v, block_table=block_table, alibi_slopes=alibi_slopes,
+                       cache_seqlens=None if _checks._is_int(cache_seqlens) else cache_seqlens)
+        _checks.check_no_overlap("k_cache", k_cache, {**read, "v_cache": v_cache})
+        _checks.check_no_overlap("v_cache", v_cache, read)
     # host cache_seqlens / block_table may go with device arrays (they are copied where needed)
     devices = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "alibi_slopes": alibi_slopes}
     devices.update({n: x for n, x in (("cache_seqlens", cache_seqlens), ("block_table", block_table))

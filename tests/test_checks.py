@@ -114,6 +114,49 @@ def test_out_aliasing_input(alias):
         fwd(q, k, v, out=target)
 
 
+@pytest.mark.parametrize("how", ["read-only", "broadcast"])
+def test_out_must_be_writable(how):
+    """A destination that cannot take the result is refused before anything is computed or written."""
+    q, k, v = qkv()
+    if how == "read-only":
+        out = np.empty_like(q)
+        out.flags.writeable = False
+    else:
+        out = np.broadcast_to(np.empty(q.shape[-1], q.dtype), q.shape)
+    with pytest.raises(ValueError, match=r"out: the array is read-only"):
+        fwd(q, k, v, out=out)
+
+
+def test_backward_outputs_checked_before_any_is_written():
+    q, k, v = qkv()
+    o, lse = fwd(q, k, v)
+    dq, dk = np.full_like(q, np.nan), np.full_like(k, np.nan)
+    dv = np.empty_like(v)
+    dv.flags.writeable = False
+    with pytest.raises(ValueError, match=r"dv: the array is read-only"):
+        cuflash.flash_attn_backward(o, q, k, v, o, lse, dq=dq, dk=dk, dv=dv, backend="numpy")
+    assert np.isnan(dq).all() and np.isnan(dk).all()
+
+
+def test_zero_stride_destination_is_refused():
+    """Elements at one address (a zero stride) cannot each take a result; NumPy marks its broadcasts read-only,
+    so the rule is checked directly on the strides."""
+    from cuflash import _checks
+
+    x = np.lib.stride_tricks.as_strided(np.empty(16, np.float32), (2, 5, 4, 16), (0, 0, 0, 4))
+    assert x.flags.writeable
+    with pytest.raises(ValueError, match=r"out: elements must not share memory \(a zero stride"):
+        _checks.check_writable("out", x)
+
+
+def test_empty_out_is_accepted():
+    """An out= without elements has no strides to keep (NumPy 2 may report 0): the call returns it."""
+    q, k, v = qkv(b=0)
+    out = np.empty(q.shape, q.dtype)
+    o, lse = fwd(q, k, v, out=out)
+    assert o is out and lse.shape == (0, 4, 5)
+
+
 def test_out_is_written_and_returned():
     q, k, v = qkv()
     out = np.full(q.shape, np.nan, np.float32)
@@ -138,6 +181,24 @@ def test_bad_softmax_scale(scale):
     q, k, v = qkv()
     with pytest.raises(ValueError, match=r"softmax_scale: expected a finite positive number, got"):
         fwd(q, k, v, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("scale", [1e-46, 1e-39, 1e39, 1e300])
+def test_softmax_scale_outside_float32(scale):
+    """The kernels scale in float32: a factor that would be 0, a denormal or inf there is refused (it made the
+    float32 softmax NaN), for float64 inputs too (one rule)."""
+    q, k, v = qkv()
+    for x in (q, q.astype(np.float64)):
+        with pytest.raises(ValueError, match=r"softmax_scale: expected a number within float32's normal range"):
+            fwd(x, k.astype(x.dtype), v.astype(x.dtype), softmax_scale=scale)
+
+
+def test_softmax_scale_at_float32_bounds():
+    q, k, v = qkv()
+    tiny = float(np.finfo(np.float32).tiny)
+    o, lse = fwd(q, k, v, softmax_scale=tiny)  # scores ~0: every key weighs the same
+    np.testing.assert_allclose(o, np.broadcast_to(v.mean(axis=1, keepdims=True), o.shape), rtol=1e-5, atol=1e-6)
+    assert np.isfinite(lse).all()
 
 
 @pytest.mark.parametrize("scale", ["x", "0.5", True, np.bool_(True), 0.5 + 0j, np.complex64(0.5), [0.5],
@@ -221,6 +282,18 @@ def test_seqlen_k_zero_gives_zeros_and_neg_inf():
     assert np.all(o == 0) and np.all(np.isneginf(lse))
     dq, dk, dv = cuflash.flash_attn_backward(np.ones_like(o), q, k, v, o, lse, backend="numpy")
     assert np.all(dq == 0) and dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_backward_without_query_heads_gives_zero_key_gradients():
+    """nheads = 0 with nheads_k > 0: no query reads the keys, so dk = dv = 0 (were left unwritten)."""
+    q, k, v = qkv(h=0, hk=2)
+    o, lse = fwd(q, k, v)
+    dk, dv = np.full_like(k, np.nan), np.full_like(v, np.nan)
+    dq, dk_out, dv_out = cuflash.flash_attn_backward(o, q, k, v, o, lse, dk=dk, dv=dv, backend="numpy")
+    assert dq.shape == q.shape and dk_out is dk and dv_out is dv
+    assert np.all(dk == 0) and np.all(dv == 0)
+    _, dk, dv = cuflash.flash_attn_backward(o, q, k, v, o, lse, backend="numpy")
+    assert np.all(dk == 0) and np.all(dv == 0)
 
 
 def test_fully_masked_rows_no_nan():

@@ -384,6 +384,10 @@ BAD = [
     (dict(softcap="1"), TypeError, "softcap: expected a real number"),
     (dict(softcap=-0.5), ValueError, r"softcap: expected 0 \(off\) or a finite positive number"),
     (dict(softcap=float("inf")), ValueError, r"softcap: expected 0 \(off\)"),
+    (dict(softcap=10**400), ValueError, r"softcap: expected 0 \(off\) or a finite positive number"),
+    (dict(softcap=1e300), ValueError, r"softcap: expected 0 \(off\) or a number within float32's normal range"),
+    (dict(softcap=1e-46), ValueError, r"softcap: expected 0 \(off\) or a number within float32's normal range"),
+    (dict(dropout_p=10**400), ValueError, r"dropout_p: expected a number in \[0, 1\)"),
     (dict(dropout_p=1.0), ValueError, r"dropout_p: expected a number in \[0, 1\)"),
     (dict(dropout_p=-0.1), ValueError, "dropout_p: expected a number in"),
     (dict(dropout_p="0.1"), TypeError, "dropout_p: expected a real number"),
@@ -432,6 +436,48 @@ def test_bad_cu_seqlens(cu_q, cu_k, exc, msg):
     cu_k = good if cu_k is None else cu_k
     with pytest.raises(exc, match=msg):
         cuflash.flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 8, 8, backend="numpy")
+
+
+def test_varlen_host_cu_seqlens_of_any_kind_are_checked():
+    """cu_seqlens on the host are checked whatever array holds them (a JAX CPU array as a NumPy one)."""
+    jnp = pytest.importorskip("jax.numpy")
+    q, k, v = (x[0] for x in _qkv())
+    good = np.array([0, 8], np.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q: must not decrease"):
+        cuflash.flash_attn_varlen_forward(q, k, v, jnp.asarray(np.array([0, 5, 4, 8], np.int32)),
+                                          jnp.asarray(np.array([0, 2, 4, 8], np.int32)), 8, 8, backend="numpy")
+    with pytest.raises(ValueError, match="cu_seqlens_k: the last value must equal k's length"):
+        cuflash.flash_attn_varlen_forward(q, k, v, good, jnp.asarray(np.array([0, 60], np.int32)), 8, 8,
+                                          backend="numpy")
+    with pytest.raises(ValueError, match="max_seqlen_q: must be >= the longest sequence"):
+        cuflash.flash_attn_varlen_forward(q, k, v, jnp.asarray(good), good, 1, 8, backend="numpy")
+
+
+def test_varlen_outputs_must_not_share_memory_with_cu_seqlens():
+    """dq= / out= over the same bytes as cu_seqlens would overwrite the lengths while they are read."""
+    q, k, v = (x[0] for x in _qkv())
+    buf = np.zeros(q.size, q.dtype)
+    cu = buf[:2].view(np.int32)[:2]
+    cu[:] = [0, 8]
+    good = np.array([0, 8], np.int32)
+    with pytest.raises(ValueError, match="out: must not share memory with cu_seqlens_q"):
+        cuflash.flash_attn_varlen_forward(q, k, v, cu, good, 8, 8, backend="numpy", out=buf.reshape(q.shape))
+    o, lse = cuflash.flash_attn_varlen_forward(q, k, v, good, good, 8, 8, backend="numpy")
+    with pytest.raises(ValueError, match="dq: must not share memory with cu_seqlens_k"):
+        cuflash.flash_attn_varlen_backward(o, q, k, v, o, lse, good, cu, 8, 8, backend="numpy",
+                                           dq=buf.reshape(q.shape))
+    assert list(cu) == [0, 8]
+
+
+@pytest.mark.parametrize("window,plain", [((-1, 2**63 - 1), (-1, -1)), ((2**63, 0), (-1, 0)),
+                                          ((np.uint64(2**64 - 1), 2**30), (-1, -1)), ((3, 2**30 - 1), (3, 2**30 - 1))])
+def test_window_sides_past_unbounded_are_unbounded(window, plain):
+    """A side of 2**30 keys or more is -1: it reaches past any sequence (its arithmetic wrapped int64 before)."""
+    assert _checks.check_window(window) == plain
+    q, k, v = _qkv(sq=5, sk=9)
+    want = cuflash.flash_attn(q, k, v, backend="numpy", window=plain)
+    np.testing.assert_array_equal(cuflash.flash_attn(q, k, v, backend="numpy", window=window), want)
+    assert not np.all(want == 0)
 
 
 def test_bad_varlen_other_arguments():
