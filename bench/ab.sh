@@ -8,9 +8,12 @@
 # Stages: causal / full (`cuflash bench --suite seqlen` against cuDNN, with or without --no-causal), headdim
 # (`cuflash bench --suite headdim` against cuDNN), variants
 # (`cuflash bench --suite variants`, cuflash alone), decode (`cuflash bench --suite decode`, cuflash and cuDNN),
-# det (bench/deterministic.py), bwd / fwd (bench/families.py). Output: $OUT/ab.tgz holding <stage>-<tree>.json and .log, and ab.txt (each run's exit
+# det (bench/deterministic.py), bwd / fwd (bench/families.py). BENCH_ARGS go after each `cuflash bench` stage's own
+# (a later option wins): BENCH_ARGS="--family mma --backends cuflash,torch-flash" times the mma.sync kernels
+# against FlashAttention-2. Output: $OUT/ab.tgz holding <stage>-<tree>.json and .log, and ab.txt (each run's exit
 # status and the seconds since the start).
 set -uo pipefail
+BENCH_ARGS=${BENCH_ARGS:-}
 OUT=${OUT:-/tmp/out}; ROOT=$PWD; OLD=$(cd "${OLD:?OLD: the folder of the tree to compare against}" && pwd)
 WORK=$(mktemp -d); mkdir -p "$OUT"
 run() {  # tree stage command...: in the tree's folder, its own kernel cache, capped at CAP seconds
@@ -28,14 +31,15 @@ for stage in "$@"; do
     json=$WORK/$stage-$tree.json
     case "$stage" in
       causal) run "$tree" "$stage" python3 -m cuflash bench --suite seqlen --backends cuflash,torch-cudnn \
-                --json "$json" ;;
+                --json "$json" $BENCH_ARGS ;;
       full) run "$tree" "$stage" python3 -m cuflash bench --suite seqlen --no-causal --backends cuflash,torch-cudnn \
-              --json "$json" ;;
+              --json "$json" $BENCH_ARGS ;;
       headdim) run "$tree" "$stage" python3 -m cuflash bench --suite headdim --backends cuflash,torch-cudnn \
-                 --json "$json" ;;
-      variants) run "$tree" "$stage" python3 -m cuflash bench --suite variants --backends cuflash --json "$json" ;;
+                 --json "$json" $BENCH_ARGS ;;
+      variants) run "$tree" "$stage" python3 -m cuflash bench --suite variants --backends cuflash \
+                  --json "$json" $BENCH_ARGS ;;
       decode) run "$tree" "$stage" python3 -m cuflash bench --suite decode --backends cuflash,torch-cudnn \
-                --json "$json" ;;
+                --json "$json" $BENCH_ARGS ;;
       det) run "$tree" "$stage" python3 bench/deterministic.py "$json" ;;
       bwd | fwd) run "$tree" "$stage" python3 bench/families.py "$stage" "$json" ;;
       *) echo "unknown stage $stage" | tee -a "$WORK/ab.txt" ;;
