@@ -8,10 +8,10 @@
 # Stages: causal / full (`cuflash bench --suite seqlen` against cuDNN, with or without --no-causal), headdim
 # (`cuflash bench --suite headdim` against cuDNN), variants
 # (`cuflash bench --suite variants`, cuflash alone), decode (`cuflash bench --suite decode`, cuflash and cuDNN),
-# det (bench/deterministic.py), bwd / fwd (bench/families.py). BENCH_ARGS go after each `cuflash bench` stage's own
-# (a later option wins): BENCH_ARGS="--family mma --backends cuflash,torch-flash" times the mma.sync kernels
-# against FlashAttention-2. Output: $OUT/ab.tgz holding <stage>-<tree>.json and .log, and ab.txt (each run's exit
-# status and the seconds since the start).
+# det (bench/deterministic.py; det-mma, det-sm90 with the family forced), bwd / fwd (bench/families.py). BENCH_ARGS go
+after each `cuflash bench` stage's own # (a later option wins): BENCH_ARGS="--family mma --backends cuflash,torch-flash"
+times the mma.sync kernels # against FlashAttention-2. Output: $OUT/ab.tgz holding <stage>-<tree>.json and .log, and
+ab.txt (each run's exit # status and the seconds since the start).
 set -uo pipefail
 BENCH_ARGS=${BENCH_ARGS:-}
 OUT=${OUT:-/tmp/out}; ROOT=$PWD; OLD=$(cd "${OLD:?OLD: the folder of the tree to compare against}" && pwd)
@@ -40,7 +40,8 @@ for stage in "$@"; do
                   --json "$json" $BENCH_ARGS ;;
       decode) run "$tree" "$stage" python3 -m cuflash bench --suite decode --backends cuflash,torch-cudnn \
                 --json "$json" $BENCH_ARGS ;;
-      det) run "$tree" "$stage" python3 bench/deterministic.py "$json" ;;
+      det | det-mma | det-sm90) family=${stage#det}
+        run "$tree" "$stage" python3 bench/deterministic.py "$json" ${family#-} ;;
       bwd | fwd) run "$tree" "$stage" python3 bench/families.py "$stage" "$json" ;;
       *) echo "unknown stage $stage" | tee -a "$WORK/ab.txt" ;;
     esac

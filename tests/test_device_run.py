@@ -67,7 +67,7 @@ def test_ab_runs_each_stage_on_both_trees_and_packs_the_outputs(tmp_path):
     old.mkdir()
     env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
            "OLD": str(old), "PYTHONPATH": "/site", "BENCH_ARGS": "--family mma --backends cuflash,torch-flash"}
-    run = subprocess.run(["bash", "bench/ab.sh", "causal", "headdim", "det", "decode"], cwd=ROOT, env=env,
+    run = subprocess.run(["bash", "bench/ab.sh", "causal", "headdim", "det", "decode", "det-mma"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     with tarfile.open(tmp_path / "out" / "ab.tgz") as tar:
@@ -76,7 +76,8 @@ def test_ab_runs_each_stage_on_both_trees_and_packs_the_outputs(tmp_path):
                         ("det", "deterministic"), ("decode", "--suite decode")):
         assert f"cwd={old} path={old}:/site" in logs[f"{stage}-old.log"] and args in logs[f"{stage}-old.log"]
         assert f"cwd={ROOT} path={ROOT}:/site" in logs[f"{stage}-new.log"] and args in logs[f"{stage}-new.log"]
-    assert logs["ab.txt"].count("exit 0") == 10
+    assert logs["ab.txt"].count("exit 0") == 12
+    assert logs["det-old.log"].rstrip().endswith("det-old.json") and logs["det-mma-new.log"].rstrip().endswith(" mma")
     # BENCH_ARGS last on the `cuflash bench` stages (a later option wins), nowhere else
     for stage in ("causal", "headdim", "decode"):
         assert logs[f"{stage}-new.log"].rstrip().endswith("--family mma --backends cuflash,torch-flash")
