@@ -6,12 +6,12 @@
 #   git archive REV cuflash kernels_cu bench pyproject.toml | (mkdir -p _old && tar -x -C _old)
 #   OLD=_old bash bench/ab.sh causal full det bwd fwd      # on the device, after installing the wheels
 # Stages: causal / full (`cuflash bench --suite seqlen` against cuDNN, with or without --no-causal), headdim
-# (`cuflash bench --suite headdim` against cuDNN), variants
-# (`cuflash bench --suite variants`, cuflash alone), decode (`cuflash bench --suite decode`, cuflash and cuDNN),
-# det (bench/deterministic.py; det-mma, det-sm90 with the family forced), bwd / fwd (bench/families.py). BENCH_ARGS go
-after each `cuflash bench` stage's own # (a later option wins): BENCH_ARGS="--family mma --backends cuflash,torch-flash"
-times the mma.sync kernels # against FlashAttention-2. Output: $OUT/ab.tgz holding <stage>-<tree>.json and .log, and
-ab.txt (each run's exit # status and the seconds since the start).
+# (`cuflash bench --suite headdim` against cuDNN), variants (`cuflash bench --suite variants`, cuflash alone),
+# decode (`cuflash bench --suite decode`, cuflash and cuDNN), det (bench/deterministic.py; det-mma, det-sm90
+# with the family forced), bwd / fwd (bench/families.py). BENCH_ARGS go after each `cuflash bench` stage's own
+# (a later option wins): BENCH_ARGS="--family mma --backends cuflash,torch-flash" times the mma.sync kernels
+# against FlashAttention-2. Output: $OUT/ab.tgz holding <stage>-<tree>.json and .log, and ab.txt (each run's
+# exit status and the seconds since the start).
 set -uo pipefail
 BENCH_ARGS=${BENCH_ARGS:-}
 OUT=${OUT:-/tmp/out}; ROOT=$PWD; OLD=$(cd "${OLD:?OLD: the folder of the tree to compare against}" && pwd)
