@@ -353,7 +353,8 @@ def _varlen_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     for name, cu, x, packed in (("cu_seqlens_q", cu_seqlens_q, q, "q"), ("cu_seqlens_k", cu_seqlens_k, k, "k")):
         # Reading device values needs a sync: only with check_inputs=True.
         if not _on_device(cu) or check_inputs:
-            longest[name] = _checks.check_cu_seqlens_values(name, _interop.to_host(cu), int(x.shape[0]), packed)
+            longest[name] = _checks.check_cu_seqlens_values(name, _interop.to_working(name, cu, False),
+                                                            int(x.shape[0]), packed)
     max_q = _checks.check_max_seqlen("max_seqlen_q", max_seqlen_q, longest.get("cu_seqlens_q"))
     max_k = _checks.check_max_seqlen("max_seqlen_k", max_seqlen_k, longest.get("cu_seqlens_k"))
     scale = _checks.check_softmax_scale(softmax_scale, q.shape[-1])

@@ -438,19 +438,24 @@ def test_bad_cu_seqlens(cu_q, cu_k, exc, msg):
         cuflash.flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 8, 8, backend="numpy")
 
 
-def test_varlen_host_cu_seqlens_of_any_kind_are_checked():
-    """cu_seqlens on the host are checked whatever array holds them (a JAX CPU array as a NumPy one)."""
-    jnp = pytest.importorskip("jax.numpy")
+@pytest.mark.parametrize("kind", ["jax", "torch"])
+def test_varlen_host_cu_seqlens_of_any_kind_are_checked(kind):
+    """cu_seqlens on the host are checked whatever array holds them (a JAX CPU array or a torch CPU tensor as a
+    NumPy array), and a valid one gives the NumPy one's result."""
+    host = pytest.importorskip(kind)
+    as_kind = host.numpy.asarray if kind == "jax" else host.from_numpy
     q, k, v = (x[0] for x in _qkv())
     good = np.array([0, 8], np.int32)
     with pytest.raises(ValueError, match="cu_seqlens_q: must not decrease"):
-        cuflash.flash_attn_varlen_forward(q, k, v, jnp.asarray(np.array([0, 5, 4, 8], np.int32)),
-                                          jnp.asarray(np.array([0, 2, 4, 8], np.int32)), 8, 8, backend="numpy")
+        cuflash.flash_attn_varlen_forward(q, k, v, as_kind(np.array([0, 5, 4, 8], np.int32)),
+                                          as_kind(np.array([0, 2, 4, 8], np.int32)), 8, 8, backend="numpy")
     with pytest.raises(ValueError, match="cu_seqlens_k: the last value must equal k's length"):
-        cuflash.flash_attn_varlen_forward(q, k, v, good, jnp.asarray(np.array([0, 60], np.int32)), 8, 8,
+        cuflash.flash_attn_varlen_forward(q, k, v, good, as_kind(np.array([0, 60], np.int32)), 8, 8,
                                           backend="numpy")
     with pytest.raises(ValueError, match="max_seqlen_q: must be >= the longest sequence"):
-        cuflash.flash_attn_varlen_forward(q, k, v, jnp.asarray(good), good, 1, 8, backend="numpy")
+        cuflash.flash_attn_varlen_forward(q, k, v, as_kind(good), good, 1, 8, backend="numpy")
+    o = cuflash.flash_attn_varlen(q, k, v, as_kind(good), as_kind(good), 8, 8, backend="numpy")
+    np.testing.assert_array_equal(o, cuflash.flash_attn_varlen(q, k, v, good, good, 8, 8, backend="numpy"))
 
 
 def test_varlen_outputs_must_not_share_memory_with_cu_seqlens():
