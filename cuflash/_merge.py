@@ -8,7 +8,8 @@ attention over A u B is
 
 Layout is flash_attn_forward's: o (batch, seqlen, nheads, head_dim), lse (batch, nheads, seqlen),
 natural log. A side that saw no key (lse = -inf) contributes nothing, whatever its o holds; when
-every side is empty the row gets o = 0 and lse = -inf, never NaN.
+every side is empty the row gets o = 0 and lse = -inf, never NaN. A NaN or +inf lse (a part that met
+NaN or overflowed) is carried: the row's lse is NaN or +inf and its o NaN, never a finite value.
 
 The sums run in float32 (float64 for float64 inputs); o comes back in the inputs' dtype and lse in
 float32 (float64). NumPy and CuPy arrays are used as they are (the array namespace is the inputs'
@@ -65,10 +66,10 @@ def from_acc(x, name: str, xp):
 
 
 def _weights(lses, xp):
-    """exp(lse_i - lse) for each part and the merged lse, -inf safe."""
+    """exp(lse_i - lse) for each part and the merged lse, -inf safe; a NaN (or +inf) max is the merged lse."""
     m = lses[0]
     for l in lses[1:]:
-        m = xp.maximum(m, l)
+        m = xp.maximum(m, l)  # NaN if any part's is
     finite = xp.isfinite(m)  # a row some part saw
     m0 = xp.where(finite, m, 0)
     ws = [xp.exp(l - m0) for l in lses]  # exp(-inf) = 0 for a part that saw nothing
@@ -76,8 +77,14 @@ def _weights(lses, xp):
     for w in ws[1:]:
         total = total + w
     safe = xp.where(finite, total, 1)
-    lse = xp.where(finite, m0 + xp.log(safe), -xp.inf)
+    lse = xp.where(finite, m0 + xp.log(safe), m)
     return [w / safe for w in ws], lse
+
+
+def _carry_poison(o, lse, xp):
+    """o (b, s, h, d) NaN on the rows whose merged lse is NaN or +inf (the weights' `> 0` test would hide them)."""
+    poisoned = (xp.isnan(lse) | (lse == xp.inf)).transpose(0, 2, 1)[..., None]
+    return xp.where(poisoned, xp.nan, o)
 
 
 def merge_into(o_acc, lse_acc, o, lse, xp):
@@ -91,7 +98,7 @@ def merge_into(o_acc, lse_acc, o, lse, xp):
     ob = to_acc(o, xp)
     # where(): a part with weight 0 contributes 0 even if its o holds inf or NaN
     o_new = xp.where(wa > 0, wa * o_acc, 0) + xp.where(wb > 0, wb * ob, 0)
-    return o_new, lse_new
+    return _carry_poison(o_new, lse_new, xp), lse_new
 
 
 def _check(os, lses):
@@ -168,7 +175,7 @@ def merge_states_list(os, lses):
         w = w.transpose(0, 2, 1)[..., None]
         term = xp.where(w > 0, w * to_acc(part, xp), 0)
         o = term if o is None else o + term
-    return from_acc(o, name, xp), lse
+    return from_acc(_carry_poison(o, lse, xp), name, xp), lse
 
 
 def merge_states(o_a, lse_a, o_b, lse_b):

@@ -148,6 +148,23 @@ def test_16bit_accumulates_in_float32():
         np.testing.assert_allclose(lse, lse_ref, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("bad,want_lse", [(np.nan, np.nan), (np.inf, np.inf)])
+def test_nan_or_inf_lse_is_carried(bad, want_lse):
+    """A part whose lse is NaN or +inf (it met NaN, or overflowed) makes the row NaN, never a finite o under a
+    lse that says no key was seen (what the weights' `> 0` test gave before)."""
+    o = np.ones((1, 2, 1, 2), np.float32)
+    lse_a = np.array([[[bad, 1.0]]], np.float32)
+    lse_b = np.full((1, 1, 2), 5.0, np.float32)
+    for merge in (lambda: merge_states(o, lse_a, 2 * o, lse_b), lambda: merge_states_list([2 * o, o], [lse_b, lse_a])):
+        got, lse = merge()
+        np.testing.assert_array_equal(lse[0, 0, 0], np.float32(want_lse))
+        assert np.isnan(got[0, 0]).all()
+        assert np.isfinite(got[0, 1]).all() and np.isfinite(lse[0, 0, 1])  # the other row as before
+    empty = np.full((1, 1, 2), -np.inf, np.float32)
+    got, lse = merge_states(o, empty, 2 * o, empty)
+    assert np.all(got == 0) and np.all(np.isneginf(lse))
+
+
 def test_errors():
     o = np.zeros((1, 2, 3, 4), np.float32)
     l = np.zeros((1, 3, 2), np.float32)
