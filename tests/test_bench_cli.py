@@ -94,6 +94,7 @@ def test_help_lists_every_option():
     (["--repeats", "5"], "5 is not in the range x>=10"),
     (["--energy-window", "1"], "x>=2.0"),
     (["--batch", "0"], "x>=1"),
+    (["--seed", "-5"], "x>=0"),
 ])
 def test_bad_values_fail_clearly(args, message):
     r = CliRunner().invoke(group(), ["bench", *args])
@@ -463,6 +464,17 @@ def test_plot_without_matplotlib_fails_at_once(no_gpu, monkeypatch, tmp_path):
     assert r.output.strip().splitlines() == ['Error: --plot needs matplotlib, which the bench extra installs: '
                                             'pip install "cuflash[bench]"']
     assert "Traceback" not in r.output and not js.exists()  # before any suite ran
+
+
+@pytest.mark.parametrize("option,name", [("--json", "r.json"), ("--plot", "r.png")])
+def test_unwritable_output_fails_before_running(no_gpu, tmp_path, option, name):
+    """A --json / --plot path that cannot be written fails at once, not after the whole run."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    r = invoke(["--quick", *FAST, option, str(blocker / name)])
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert r.output.strip().splitlines()[-1].startswith(f"Error: {option} {blocker / name}: cannot be written")
+    assert "no CUDA GPU visible" not in r.output  # nothing ran
 
 
 def test_captions_sort_shapes_numerically():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
@@ -152,7 +153,7 @@ def parse_png(ctx, param, value) -> str | None:
               help="Wall-time cap of the whole run (precompile included); later cells are recorded as skipped.")
 @click.option("--energy-window", type=click.FloatRange(min=2.0), default=2.0, show_default=True,
               help="Seconds of repeated calls per energy figure (NVML's counter updates every ~100 ms).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the random inputs.")
 @click.option("--cpu", "force_cpu", is_flag=True, help="Run the no-GPU path (NumPy backend) even with a GPU.")
 @click.option("--family", type=click.Choice(["mma", "sm90"]), default=None,
               help="Force cuflash's 16-bit kernels to one family (cuflash.kernel_family): mma (mma.sync, any GPU "
@@ -175,6 +176,9 @@ def bench(suites, dtype, causal, batch, heads, head_dim, seqlens, backends, json
 
     if plot_path:
         require_matplotlib()
+    for option, path in (("--json", json_path), ("--plot", plot_path)):
+        if path:
+            require_writable(option, path)
     if quick:
         repeats, warmup, cell_seconds = 10, min(warmup, 2), min(cell_seconds, 0.2)
     settings = Settings(suites=suites, dtype=dtype, causal=causal, batch=batch, heads=heads, head_dim=head_dim,
@@ -211,6 +215,21 @@ def bench(suites, dtype, causal, batch, heads, head_dim, seqlens, backends, json
     errors = [n for n, s in doc["suites"].items() if s["status"] == "error"]
     if errors:
         raise click.ClickException(f"suite(s) {', '.join(errors)} failed: see 'reason' in the output")
+
+
+def require_writable(option: str, path: str) -> None:
+    """--json / --plot: the file can be written, checked before anything runs (failing after the run would lose
+    it). Its folder is made, as writing it would."""
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        existed = target.exists()
+        with open(target, "a"):
+            pass
+        if not existed:
+            target.unlink()
+    except OSError as e:
+        raise click.ClickException(f"{option} {path}: cannot be written ({e.strerror or e})") from None
 
 
 def require_matplotlib() -> None:
