@@ -150,6 +150,19 @@ def _is_jax(x) -> bool:
     return type(x).__module__.split(".")[0] in ("jax", "jaxlib")
 
 
+def is_traced(x) -> bool:
+    """A JAX tracer (inside jax.jit, grad or vmap): an abstract value with no data to hand to a kernel."""
+    return _is_jax(x) and "Tracer" in type(x).__name__
+
+
+def check_concrete(name: str, x) -> None:
+    """An array the public functions hand to a backend: not a JAX tracer (cuflash.jax's functions trace; its own
+    checks take tracers, so this is not part of check_array)."""
+    if is_traced(x):
+        raise TypeError(f"{name}: a traced JAX value (inside jax.jit, grad or vmap) has no data to read; use "
+                        f"cuflash.jax, whose functions trace")
+
+
 def check_writable(name: str, x) -> None:
     """An array cuflash writes into in place (out=, dq=, dk=, dv=, a KV cache it appends to): not a JAX array,
     which JAX holds immutable (XLA may share its buffer with other arrays, or reuse it); not a read-only NumPy

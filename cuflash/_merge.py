@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _interop
+from . import _checks, _interop
 from .config import DTYPES, acc_dtype
 
 __all__ = ["merge_states", "merge_states_list"]
@@ -153,6 +153,9 @@ def merge_states_list(os, lses):
     for x in arrays:
         if not (hasattr(x, "shape") and hasattr(x, "dtype")) and not hasattr(x, "__dlpack__"):
             raise TypeError(f"merge: expected NumPy/CuPy arrays or DLPack producers, got {type(x).__name__}")
+        if _checks.is_traced(x):
+            raise TypeError("merge: a traced JAX value (inside jax.jit, grad or vmap) has no data to read; merge "
+                            "outside the traced function")
     kinds = _kinds(arrays)
     if "other" in kinds:  # torch, JAX...: through the interop layer, results as the caller's kind
         caller = _interop.classify(os[0])

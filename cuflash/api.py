@@ -202,6 +202,7 @@ def _forward(q, k, v, *, causal, softmax_scale, layout, backend, out, key=None,
     """The general path of flash_attn_forward; with a key, it may leave a plan for the signature."""
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
         _checks.check_array(name, x, optional=name == "out")
+        _checks.check_concrete(name, x)
     causal = _checks.check_flag("causal", causal)
     _checks.check_layout(layout)
     dt, qb, kb, vb = _validate_qkv(q, k, v, layout)
@@ -277,6 +278,7 @@ def _backward(dout, q, k, v, o, lse, *, causal, softmax_scale, layout, backend, 
     for name, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse),
                     ("dq", dq), ("dk", dk), ("dv", dv)):
         _checks.check_array(name, x, optional=name in ("dq", "dk", "dv"))
+        _checks.check_concrete(name, x)
     causal = _checks.check_flag("causal", causal)
     deterministic = _checks.check_flag("deterministic", deterministic)
     _checks.check_layout(layout)
@@ -338,8 +340,10 @@ def _varlen_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     """Validation shared by the varlen forward and backward: (causal, dtype, scale, backend kwargs, what,
     (max_seqlen_q, max_seqlen_k)). The longest lengths size the kernels' grids: where cu_seqlens are
     not checked (on the device, check_inputs=False), they must be right, as in FlashAttention."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
+    for name, x in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         _checks.check_array(name, x)
+        _checks.check_concrete(name, x)
+    for name, x in (("q", q), ("k", k), ("v", v)):
         _checks.check_ndim_packed(name, x)
     causal = _checks.check_flag("causal", causal)
     check_inputs = _checks.check_flag("check_inputs", check_inputs)
@@ -420,6 +424,7 @@ def flash_attn_varlen_backward(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k
     deterministic = _checks.check_flag("deterministic", deterministic)
     for name, x in (("dout", dout), ("o", o), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
         _checks.check_array(name, x, optional=name in ("dq", "dk", "dv"))
+        _checks.check_concrete(name, x)
     for name, x in (("dout", dout), ("o", o)):
         _checks.check_like(name, x, tuple(q.shape), dt)
     if tuple(lse.shape) != (q.shape[1], q.shape[0]):
@@ -558,6 +563,7 @@ def _with_kvcache(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, caus
     """The general path of flash_attn_with_kvcache; with a key, it may leave a plan for the signature."""
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
         _checks.check_array(name, x, optional=name in ("k", "v"))
+        _checks.check_concrete(name, x)
     _checks.check_array("block_table", block_table, optional=True)
     causal = _checks.check_flag("causal", causal)
     return_lse = _checks.check_flag("return_lse", return_lse)
@@ -644,8 +650,10 @@ def dropout_mask(batch, nheads, seqlen_q, seqlen_k, *, dropout_p, seed, offset=0
     draw is >= floor(dropout_p * 2**16)."""
     sizes = [_checks.check_count(n, x) for n, x in (("batch", batch), ("nheads", nheads), ("seqlen_q", seqlen_q),
                                                     ("seqlen_k", seqlen_k))]
-    return _philox.dropout_mask(*sizes, dropout_p=_checks.check_dropout_p(dropout_p), seed=_checks.check_seed(seed),
-                                offset=_checks.check_offset(offset))
+    p, seed, offset = _checks.check_dropout_p(dropout_p), _checks.check_seed(seed), _checks.check_offset(offset)
+    if 0 in sizes:  # nothing to draw (and no index range of the other sizes to build)
+        return np.zeros(sizes, dtype=bool)
+    return _philox.dropout_mask(*sizes, dropout_p=p, seed=seed, offset=offset)
 
 
 __all__ = ["flash_attn", "flash_attn_forward", "flash_attn_backward", "flash_attn_varlen",

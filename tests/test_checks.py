@@ -296,6 +296,28 @@ def test_backward_without_query_heads_gives_zero_key_gradients():
     assert np.all(dk == 0) and np.all(dv == 0)
 
 
+def test_traced_jax_values_are_refused_by_name():
+    """Inside jax.jit the core functions get tracers, which hold no data: a TypeError naming the argument and
+    cuflash.jax (an AttributeError from the DLPack hand-off before)."""
+    jax = pytest.importorskip("jax")
+    q, k, v = (jax.numpy.asarray(x) for x in qkv())
+    with pytest.raises(TypeError, match=r"q: a traced JAX value \(inside jax.jit, grad or vmap\) has no data to "
+                                        r"read; use cuflash.jax"):
+        jax.jit(lambda a: cuflash.flash_attn(a, k, v))(q)
+    o, lse = cuflash.flash_attn_forward(q, k, v)
+    with pytest.raises(TypeError, match=r"dout: a traced JAX value"):
+        jax.jit(lambda d: cuflash.flash_attn_backward(d, q, k, v, o, lse)[0])(o)
+    with pytest.raises(TypeError, match=r"merge: a traced JAX value"):
+        jax.jit(lambda a: cuflash.merge_states(a, lse, o, lse)[0])(o)
+
+
+def test_dropout_mask_without_elements_allocates_nothing():
+    """An empty mask comes back at once, however large its other sizes (it built their index ranges before)."""
+    m = cuflash.dropout_mask(1, 1, 2**45, 0, dropout_p=0.5, seed=1)
+    assert m.shape == (1, 1, 2**45, 0) and m.dtype == bool
+    assert cuflash.dropout_mask(2**40, 2**20, 0, 5, dropout_p=0.5, seed=1).shape == (2**40, 2**20, 0, 5)
+
+
 def test_fully_masked_rows_no_nan():
     q, k, v = qkv(sq=9, sk=4)  # causal, bottom-right: the first 5 query rows see no key
     o, lse = fwd(q, k, v, causal=True)
