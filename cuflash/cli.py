@@ -10,7 +10,7 @@ import click
 
 from . import __version__
 from ._interop import gpu_status
-from .benchmark.command import ProgressBar, bench
+from .benchmark.command import ProgressBar, bench, parse_dtype
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -80,8 +80,9 @@ def info() -> None:
 @main.command("compile")
 @click.option("--jobs", "-j", type=click.IntRange(1, 256), default=os.cpu_count() or 1, show_default=True,
               help="Parallel compiler processes.")
-@click.option("--dtype", "dtypes", multiple=True, type=click.Choice(["float16", "bfloat16", "float32", "float64"]),
-              help="Only these dtypes (repeatable; default all).")
+@click.option("--dtype", "dtypes", multiple=True, metavar="DTYPE",
+              callback=lambda ctx, param, values: tuple(parse_dtype(ctx, param, v) for v in values),
+              help="Only these dtypes, as `cuflash bench --dtype` names them (repeatable; default all).")
 def compile_cmd(jobs: int, dtypes: tuple[str, ...]) -> None:
     """Compile every shipped kernel config into CuPy's disk cache (later calls start at once)."""
     import time

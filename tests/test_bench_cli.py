@@ -477,6 +477,13 @@ def test_unwritable_output_fails_before_running(no_gpu, tmp_path, option, name):
     assert "no CUDA GPU visible" not in r.output  # nothing ran
 
 
+def test_gpu_only_options_are_named_on_the_cpu_path(no_gpu):
+    r = invoke(["--quick", *FAST, "--family", "mma", "--backends", "torch-flash"])
+    assert r.exit_code == 0, r.output
+    assert "--family and --backends apply to GPU runs: not used here" in r.output
+    assert "apply to GPU runs" not in invoke(["--quick", *FAST]).output
+
+
 def test_captions_sort_shapes_numerically():
     from rich.console import Console
 

@@ -69,6 +69,12 @@ def test_compile_reports_and_shows_no_progress_off_a_terminal(monkeypatch):
     n = len([c for c in config.all_configs() if c.dtype == "float32"])
     assert calls == [(n, 3)]
     assert re.fullmatch(rf"compiled {n} kernel configs in \d+\.\d s \(3 jobs\)\n", r.output), r.output
+    # the dtype names `cuflash bench` takes, aliases too; a wrong one is a usage error
+    r = CliRunner().invoke(cli.main, ["compile", "--dtype", "bf16", "--dtype", "fp32"])
+    assert r.exit_code == 0, r.output
+    assert calls[-1][0] == len([c for c in config.all_configs() if c.dtype in ("bfloat16", "float32")])
+    r = CliRunner().invoke(cli.main, ["compile", "--dtype", "int8"])
+    assert r.exit_code == 2 and "'int8' is not a dtype" in r.output
 
 
 class FakeDevice:

@@ -141,7 +141,8 @@ def parse_png(ctx, param, value) -> str | None:
               help="Write every result, with min/max and metadata, to this JSON file.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), callback=parse_png, default=None,
               metavar="PATH.png", help="Write latency/TFLOP/s vs N and memory vs N (matplotlib) to this PNG.")
-@click.option("--quick", is_flag=True, help="Few N, few repeats: a smoke test.")
+@click.option("--quick", is_flag=True,
+              help="Few N, 10 repeats, at most 2 warm-up calls: a smoke test (over --repeats, --warmup).")
 @click.option("--repeats", type=click.IntRange(min=10), default=20, show_default=True,
               help="Timed runs per figure (at least 10; fewer for slow calls, within --cell-seconds).")
 @click.option("--warmup", type=click.IntRange(min=1), default=3, show_default=True, help="Untimed calls first.")
@@ -189,8 +190,11 @@ def bench(suites, dtype, causal, batch, heads, head_dim, seqlens, backends, json
 
     gpu_ok, why = (False, "--cpu") if force_cpu else detect_gpu()
     platform = "gpu" if gpu_ok else "cpu"
-    if not gpu_ok:  # one line, then the CPU suites
+    if not gpu_ok:  # one line (and one for options a GPU run alone takes), then the CPU suites
         click.echo(f"--cpu: {CPU_WHAT}" if force_cpu else f"no CUDA GPU visible ({why}): {CPU_WHAT}")
+        unused = [o for o, given in (("--family", family), ("--backends", backends)) if given]
+        if unused:
+            click.echo(f"{' and '.join(unused)} apply to GPU runs: not used here")
 
     cc = compute_capability() if gpu_ok else 0
     with ProgressBar(console, total_steps(settings, platform, cc)) as bar:
