@@ -192,7 +192,9 @@ def bench(suites, dtype, causal, batch, heads, head_dim, seqlens, backends, json
     platform = "gpu" if gpu_ok else "cpu"
     if not gpu_ok:  # one line (and one for options a GPU run alone takes), then the CPU suites
         click.echo(f"--cpu: {CPU_WHAT}" if force_cpu else f"no CUDA GPU visible ({why}): {CPU_WHAT}")
-        unused = [o for o, given in (("--family", family), ("--backends", backends)) if given]
+        ctx = click.get_current_context()
+        unused = [f"--{n}" for n in ("family", "backends")
+                  if ctx.get_parameter_source(n) is not click.core.ParameterSource.DEFAULT]
         if unused:
             click.echo(f"{' and '.join(unused)} apply to GPU runs: not used here")
 
