@@ -174,6 +174,15 @@ def check_writable(name: str, x) -> None:
     if isinstance(x, np.ndarray) and not x.flags.writeable:
         raise ValueError(f"{name}: the array is read-only (a broadcast view, or writeable=False); pass a writable "
                          f"array")
+    if type(x).__module__.split(".")[0] == "torch":  # writes bypass autograd's in-place checks: refuse as torch does
+        import torch
+
+        if x.requires_grad:
+            raise ValueError(f"{name}: a tensor that requires grad cannot be written in place (autograd would not "
+                             f"see the write); pass one that does not, or use cuflash.torch")
+        if x.is_inference() and not torch.is_inference_mode_enabled():
+            raise ValueError(f"{name}: an inference tensor can be written in place only under "
+                             f"torch.inference_mode()")
     strides, _ = _byte_strides(x)
     if math.prod(x.shape) > 0 and any(s == 0 and n > 1 for n, s in zip(x.shape, strides)):
         raise ValueError(f"{name}: elements must not share memory (a zero stride, as in a broadcast view), got "
@@ -232,8 +241,8 @@ def _byte_strides(x) -> tuple[tuple[int, ...], int]:
 def _base(x) -> int | None:
     if isinstance(x, np.ndarray):
         return int(x.__array_interface__["data"][0])
-    if callable(getattr(x, "data_ptr", None)):  # torch
-        return int(x.data_ptr())
+    if callable(getattr(x, "data_ptr", None)):  # torch (a meta tensor has no memory)
+        return None if getattr(x, "is_meta", False) else int(x.data_ptr())
     ptr = getattr(getattr(x, "data", None), "ptr", None)  # CuPy
     return None if ptr is None else int(ptr)
 
@@ -250,7 +259,9 @@ def _extent(x) -> tuple[int, int] | None:
 
 
 def _overlaps(a, b) -> bool:
-    if math.prod(a.shape) == 0 or math.prod(b.shape) == 0 or type(a) is not type(b):
+    # any two kinds compare (an nn.Parameter and its .data, a NumPy view of a torch tensor): host and device
+    # memory share one virtual address space (CUDA's unified addressing), and check_devices keeps one device
+    if math.prod(a.shape) == 0 or math.prod(b.shape) == 0:
         return False
     ea, eb = _extent(a), _extent(b)
     return ea is not None and eb is not None and ea[0] < eb[1] and eb[0] < ea[1]

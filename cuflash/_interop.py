@@ -275,7 +275,11 @@ def check_devices(**arrays) -> None:
         elif is_cupy(x):
             where[name] = f"cuda:{x.device.id}"
         elif hasattr(x, "__dlpack_device__"):
-            t, i = x.__dlpack_device__()
+            try:
+                t, i = x.__dlpack_device__()
+            except Exception as e:  # a torch meta tensor, say: no memory to hand over
+                raise TypeError(f"{name}: its memory cannot be handed over by DLPack "
+                                f"({type(e).__name__}: {e})") from None
             where[name] = f"cuda:{int(i)}" if int(t) in (2, 3, 13) else "host"
         else:
             where[name] = "host"

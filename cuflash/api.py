@@ -72,8 +72,8 @@ class _Call:
     """Shared plumbing of the forward and backward entry points (the general path)."""
 
     def __init__(self, q, layout: str, backend: str, arrays: dict):
+        _interop.check_devices(**arrays)  # first: its errors name the argument
         self.caller = _interop.classify(q)
-        _interop.check_devices(**arrays)
         self.be = _backend(backend)
         self.on_device = getattr(self.be, "ON_DEVICE", False)
         self.layout = layout

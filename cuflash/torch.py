@@ -84,7 +84,9 @@ def _setup_context(ctx, inputs, output):
     alibi_slopes = args[5]
     ctx.save_for_backward(q, k, v, o, lse, alibi_slopes)
     ctx.args = args[:5] + args[6:]  # causal .. softcap, dropout_p .. deterministic
-    ctx.mark_non_differentiable(lse)  # no gradient flows back through lse: an error, never a silent zero
+    # no gradient flows back through lse: a loss of lse alone raises, and lse's share of a loss that also uses o
+    # is dropped (README: lse is not differentiable)
+    ctx.mark_non_differentiable(lse)
 
 
 def _grads(ctx, dout, dlse):

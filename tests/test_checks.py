@@ -296,6 +296,40 @@ def test_backward_without_query_heads_gives_zero_key_gradients():
     assert np.all(dk == 0) and np.all(dv == 0)
 
 
+def test_torch_outputs_autograd_would_not_see_are_refused():
+    """A write through DLPack bypasses autograd: an output that requires grad is refused (as torch refuses out=
+    there), and so is an inference tensor outside inference mode; a tensor seen through another kind of array
+    (an nn.Parameter's .data, a NumPy view) still counts as shared memory."""
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.from_numpy(x) for x in qkv())
+    with pytest.raises(ValueError, match=r"out: a tensor that requires grad cannot be written in place"):
+        cuflash.flash_attn(q, k, v, out=torch.zeros_like(q, requires_grad=True))
+    o, lse = cuflash.flash_attn_forward(q, k, v)
+    with pytest.raises(ValueError, match=r"dk: a tensor that requires grad"):
+        cuflash.flash_attn_backward(o, q, k, v, o, lse, dk=torch.zeros_like(k, requires_grad=True))
+    with torch.inference_mode():
+        inference = torch.empty_like(q)
+    with pytest.raises(ValueError, match=r"out: an inference tensor can be written in place only under "
+                                         r"torch.inference_mode\(\)"):
+        cuflash.flash_attn(q, k, v, out=inference)
+    with torch.inference_mode():
+        assert cuflash.flash_attn(q, k, v, out=inference) is inference
+    param = torch.nn.Parameter(q.clone())
+    with pytest.raises(ValueError, match=r"out: must not share memory with q"):
+        cuflash.flash_attn(param, k, v, out=param.data)
+    with pytest.raises(ValueError, match=r"out: must not share memory with q"):
+        cuflash.flash_attn(q, k, v, out=q.numpy())
+
+
+def test_meta_tensors_are_refused_by_name():
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.from_numpy(x) for x in qkv())
+    with pytest.raises(TypeError, match=r"k: its memory cannot be handed over by DLPack"):
+        cuflash.flash_attn(q, k.to("meta"), v)
+    with pytest.raises(TypeError, match=r"out: its memory cannot be handed over by DLPack"):
+        cuflash.flash_attn(q, k, v, out=torch.empty_like(q, device="meta"))
+
+
 def test_traced_jax_values_are_refused_by_name():
     """Inside jax.jit the core functions get tracers, which hold no data: a TypeError naming the argument and
     cuflash.jax (an AttributeError from the DLPack hand-off before)."""
