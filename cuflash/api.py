@@ -591,11 +591,15 @@ def _with_kvcache(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, caus
             _checks.check_block_table_values(host, num_pages)
     scale = _checks.check_softmax_scale(softmax_scale, d)
     vkw, _ = _variants(causal, window, softcap, alibi_slopes, _OFF, _ZERO, _ZERO, b, h)
-    if seqlen_new:  # the caches are written: they share memory with nothing the call reads, nor each other
+    if seqlen_new:  # the caches are written: they share memory with nothing the call reads
         read = _inputs(q=q, k=k, v=v, block_table=block_table, alibi_slopes=alibi_slopes,
                        cache_seqlens=None if _checks._is_int(cache_seqlens) else cache_seqlens)
-        _checks.check_no_overlap("k_cache", k_cache, {**read, "v_cache": v_cache})
+        _checks.check_no_overlap("k_cache", k_cache, read)
         _checks.check_no_overlap("v_cache", v_cache, read)
+        # nor one another's rows: one array for both is refused; interleaved halves of one buffer, (b, s, 2, h, d)
+        # say, are two caches (their address ranges overlap, their elements do not)
+        if _checks._base(k_cache) is not None and _checks._base(k_cache) == _checks._base(v_cache):
+            raise ValueError("k_cache: must not share memory with v_cache (one array for both)")
     # host cache_seqlens / block_table may go with device arrays (they are copied where needed)
     devices = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "alibi_slopes": alibi_slopes}
     devices.update({n: x for n, x in (("cache_seqlens", cache_seqlens), ("block_table", block_table))

@@ -291,7 +291,7 @@ BAD = [
     ("new rows in the cache", lambda c, d, p: dict(d, k=d["k_cache"][:, :1], v=d["v_cache"][:, 1:2]), ValueError,
      "k_cache: must not share memory with k"),
     ("one cache for both", lambda c, d, p: dict(d, v_cache=d["k_cache"]), ValueError,
-     "k_cache: must not share memory with v_cache"),
+     "k_cache: must not share memory with v_cache (one array for both)"),
     ("causal", lambda c, d, p: dict(d, causal=1), TypeError, "causal: expected a bool"),
     ("window", lambda c, d, p: dict(d, window=(1,)), TypeError, "window: expected a pair of ints"),
     ("alibi shape", lambda c, d, p: dict(d, alibi_slopes=np.ones(3, dtype=np.float32)), ValueError, "alibi_slopes"),
@@ -300,6 +300,19 @@ BAD = [
      "num_splits: expected an int in [0, 128] (0: chosen per call), got 129"),
     ("num_splits float", lambda c, d, p: dict(d, num_splits=2.0), TypeError, "num_splits: expected an int"),
 ]
+
+
+def test_interleaved_caches_of_one_buffer():
+    """k_cache, v_cache as the halves of one (batch, capacity, 2, nheads_k, head_dim) buffer: two caches, each
+    appended and read as its own (their address ranges overlap, their elements do not)."""
+    c, dense, _ = _bad_inputs()
+    buf = np.stack([c["k_cache"], c["v_cache"]], axis=2)
+    kc, vc = buf[:, :, 0], buf[:, :, 1]
+    got = _call(**dict(dense, k_cache=kc, v_cache=vc))
+    want = _call(**dense)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(kc, c["k_cache"])
+    np.testing.assert_array_equal(vc, c["v_cache"])
 
 
 @pytest.mark.parametrize("name,make,exc,msg", BAD, ids=[b[0] for b in BAD])
