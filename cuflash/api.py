@@ -598,7 +598,8 @@ def _with_kvcache(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, caus
         _checks.check_no_overlap("v_cache", v_cache, read)
         # nor one another's rows: one array for both is refused; interleaved halves of one buffer, (b, s, 2, h, d)
         # say, are two caches (their address ranges overlap, their elements do not)
-        if _checks._base(k_cache) is not None and _checks._base(k_cache) == _checks._base(v_cache):
+        base = _checks._base(k_cache)
+        if 0 not in k_cache.shape and base is not None and base == _checks._base(v_cache):  # (empty torch: 0)
             raise ValueError("k_cache: must not share memory with v_cache (one array for both)")
     # host cache_seqlens / block_table may go with device arrays (they are copied where needed)
     devices = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "alibi_slopes": alibi_slopes}
