@@ -247,19 +247,25 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
         cp_async_commit();
     };
     if (kStages == 2 && n_it > 0) load_block(0, 0);
+    // With two buffers the next pair's tiles load just after the iteration's first barrier, which then also ends
+    // the previous pair, and no barrier ends the iteration (1.01-1.04x at d = 64 and 128). Deterministic at d <= 64
+    // keeps the barrier at the end, the next pair loading before this one's wait: there the other form ran 2-3 %
+    // slower (an H100, bench/RESULTS.md 2026-12-06 (m)).
+    constexpr bool kEndBarrier = kStages == 1 || (kIsDeterministic && kHeadDim <= 64);
 
     for (int it = 0; it < n_it; ++it) {
         const int buf = kStages == 2 ? it & 1 : 0;
-        if (kStages == 1) {
-            load_block(it, 0);
-            cp_async_wait<0>();
-        } else if (it + 1 < n_it) {
+        if (kStages == 1) load_block(it, 0);
+        if (kStages == 2 && kEndBarrier && it + 1 < n_it) {
             load_block(it + 1, buf ^ 1);
             cp_async_wait<1>();  // this pair's tiles (and K, V) have landed; the next pair's are in flight
         } else {
-            cp_async_wait<0>();
+            cp_async_wait<0>();  // this pair's tiles (and K, V) have landed
         }
+        // Without kEndBarrier this barrier also ends the previous pair: every warp is done with the other buffer
+        // and with sP, sdS, so the next pair's tiles load into it now
         __syncthreads();
+        if (kStages == 2 && !kEndBarrier && it + 1 < n_it) load_block(it + 1, buf ^ 1);
         int head, m_block;
         pair(it, head, m_block);
         const int row_begin = m_block * kBlockM;
@@ -521,18 +527,24 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
                     }
             }
         }
-        __syncthreads();  // every warp is done with this buffer and sP, sdS before they are written again
+        if constexpr (kEndBarrier) __syncthreads();  // every warp is done with this buffer and sP, sdS
     }
-    if (kIsDeterministic && pending != nullptr && tid == 0) store_release(pending, pending_turn + 1);
+    // kDeterministic: hand the last dQ tile on once every warp's adds are done (after a barrier: the loop's last,
+    // or below)
+    if (kEndBarrier && kIsDeterministic && pending != nullptr && tid == 0) store_release(pending, pending_turn + 1);
 
     // [10] Store dK * softmax_scale and dV
     cp_async_wait<0>();  // K, V copies may still be in flight when no query block was visited
     __syncthreads();
+    if (!kEndBarrier && kIsDeterministic && pending != nullptr && tid == 0) store_release(pending, pending_turn + 1);
+    // Without kEndBarrier at d <= 64, lane through recompute: else its row / column offsets stay live across the
+    // loop (spills on sm_90)
+    const int lane_st = kHeadDim <= 64 && !kEndBarrier ? recompute(lane) : lane;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
-        acc_to_smem<T, kNTilesD, kPitch>(sK, acc_dk[mt], key_row0 + 16 * mt, d_col0, lane,
+        acc_to_smem<T, kNTilesD, kPitch>(sK, acc_dk[mt], key_row0 + 16 * mt, d_col0, lane_st,
                                          static_cast<float>(p.fwd.softmax_scale));
-        acc_to_smem<T, kNTilesD, kPitch>(sV, acc_dv[mt], key_row0 + 16 * mt, d_col0, lane,
+        acc_to_smem<T, kNTilesD, kPitch>(sV, acc_dv[mt], key_row0 + 16 * mt, d_col0, lane_st,
                                          kIsDropout ? static_cast<float>(p.fwd.dropout_scale) : 1.f);
     }
     __syncthreads();
