@@ -267,6 +267,34 @@ def _overlaps(a, b) -> bool:
     return ea is not None and eb is not None and ea[0] < eb[1] and eb[0] < ea[1]
 
 
+_TOO_HARD = getattr(np, "exceptions", np).TooHardError  # numpy.exceptions from NumPy 1.25
+
+
+def shares_elements(a, b) -> bool:
+    """Do two arrays share an element's bytes, not merely an address range (the interleaved halves of one buffer do
+    not)? Exact, from their pointers, shapes and byte strides: NumPy's shares_memory over stand-ins at the same
+    addresses, which reads nothing. A case too hard to settle within a bound counts as sharing."""
+    if not _overlaps(a, b):
+        return False
+    try:
+        return bool(np.shares_memory(_stand_in(a), _stand_in(b), max_work=1 << 20))
+    except _TOO_HARD:
+        return True
+
+
+class _StandIn:
+    """x's memory layout as a NumPy array interface (elements as opaque bytes), for address arithmetic only."""
+
+    def __init__(self, x):
+        strides, itemsize = _byte_strides(x)
+        self.__array_interface__ = {"shape": tuple(int(n) for n in x.shape), "typestr": f"|V{itemsize}",
+                                    "data": (_base(x), False), "strides": strides, "version": 3}
+
+
+def _stand_in(x) -> np.ndarray:
+    return np.asarray(_StandIn(x))
+
+
 def check_batch(batch: int, limit: int = 65535) -> None:
     """The CUDA grid's z dimension carries the batch."""
     if batch > limit:

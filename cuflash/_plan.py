@@ -5,10 +5,10 @@ strides, layout, flags, scale, out= given or not) is worked out once, on the gen
 which also validates it. When the call can run straight from the caller's memory (CUDA backend,
 CuPy arrays or torch CUDA tensors, unit-stride rows, 16-byte strides), it leaves a plan here under
 the signature. A call whose signature has a plan reads the data pointers, checks their alignment
-(and that out= overlaps no input), allocates the results with the caller's allocator, patches the
-pointers into the params bytes and launches on the caller's current stream. Anything else (a
-misaligned pointer this time, another current device) takes the general path, which validates
-again, copies what it must and gives the same errors.
+(and that out=, or a KV cache appended to, shares no memory with an input), allocates the results
+with the caller's allocator, patches the pointers into the params bytes and launches on the caller's
+current stream. Anything else (a misaligned pointer this time, another current device) takes the
+general path, which validates again, copies what it must and gives the same errors.
 """
 
 from __future__ import annotations
@@ -282,6 +282,23 @@ def _overlaps(spans, po: int, *pointers: int) -> bool:
     return any(po + olo < p + hi and p + lo < po + ohi for p, (lo, hi) in zip(pointers, inputs))
 
 
+def _cache_shares(writes, kv_delta: int, pkc: int, pvc: int, reads, read_ptrs) -> bool:
+    """Might the caches (at pkc, pvc; writes: their spans) share memory with one another or with an array the
+    call reads (reads: spans or None, read_ptrs: their pointers)? Then the general path tells exactly (and
+    refuses). Caches whose ranges overlap are the validated call's layout (interleaved, element-disjoint) when
+    kv_delta apart, as then."""
+    (klo, khi), (vlo, vhi) = writes
+    k0, k1, v0, v1 = pkc + klo, pkc + khi, pvc + vlo, pvc + vhi
+    if k0 < v1 and v0 < k1 and pvc - pkc != kv_delta:
+        return True
+    for span, p in zip(reads, read_ptrs):
+        if span is not None and span[0] < span[1]:
+            lo, hi = p + span[0], p + span[1]
+            if lo < k1 and k0 < hi or lo < v1 and v0 < hi:
+                return True
+    return False
+
+
 class KVCachePlan:
     """One flash_attn_with_kvcache signature: kvcache_append's launch where the call has new rows or an int
     cache_seqlens (it writes the rows and each entry's key count), the attention's launches (flash_decode's, or a
@@ -305,6 +322,11 @@ class KVCachePlan:
         self.int_start = cache_seqlens.__class__ is int  # an int: checked on every call, patched as AppendParams.start
         self.room = capacity - seqlen_new  # the largest int cache_seqlens
         self.rows = seqlen_new > 0
+        if self.rows:  # the caches are written: their spans, those of what the call reads, their distance apart
+            self.writes = (_span(k_cache), _span(v_cache))
+            self.reads = tuple(None if x is None or x.__class__ is int else _span(x)
+                               for x in (q, k, v, cache_seqlens, block_table))
+            self.kv_delta = _checks._base(v_cache) - _checks._base(k_cache)
         self.append = None
         if self.rows or self.int_start:  # the rows and the key counts, in one launch before the attention's
             self.append = cuda.append_launches(k_cache, v_cache, k, v, 0, block_table, counts, seqlen_new=seqlen_new,
@@ -329,9 +351,11 @@ class KVCachePlan:
             start, pcs, bad = cache_seqlens, 0, not 0 <= cache_seqlens <= self.room
         else:
             start, pcs, bad = 0, ptr(cache_seqlens), False
-        if bad or (pq | pkc | pvc | pk | pv) & MISALIGNED or kind.current_device() != kind.device:
-            return self.general(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table)
         pbt = 0 if block_table is None else ptr(block_table)
+        if (bad or (pq | pkc | pvc | pk | pv) & MISALIGNED or kind.current_device() != kind.device
+                or (self.rows and _cache_shares(self.writes, self.kv_delta, pkc, pvc, self.reads,
+                                                (pq, pk, pv, pcs, pbt)))):
+            return self.general(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table)
         o = kind.like(q) if self.o_like else kind.same(q, self.o_shape)
         lse = kind.new(q, self.lse_shape, self.lse_dtype)
         scratch = kind.new(q, (self.scratch,), self.u8) if self.scratch else None

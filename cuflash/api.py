@@ -596,11 +596,11 @@ def _with_kvcache(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, caus
                        cache_seqlens=None if _checks._is_int(cache_seqlens) else cache_seqlens)
         _checks.check_no_overlap("k_cache", k_cache, read)
         _checks.check_no_overlap("v_cache", v_cache, read)
-        # nor one another's rows: one array for both is refused; interleaved halves of one buffer, (b, s, 2, h, d)
-        # say, are two caches (their address ranges overlap, their elements do not)
-        base = _checks._base(k_cache)
-        if 0 not in k_cache.shape and base is not None and base == _checks._base(v_cache):  # (empty torch: 0)
-            raise ValueError("k_cache: must not share memory with v_cache (one array for both)")
+        # nor one another's elements: one array for both, or caches a row apart in one buffer, are refused; the
+        # interleaved halves of one buffer, (b, s, 2, h, d) say, are two caches (address ranges overlap, elements not)
+        if _checks.shares_elements(k_cache, v_cache):
+            raise ValueError("k_cache: must not share memory with v_cache"
+                             + (" (one array for both)" if _checks._base(k_cache) == _checks._base(v_cache) else ""))
     # host cache_seqlens / block_table may go with device arrays (they are copied where needed)
     devices = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "alibi_slopes": alibi_slopes}
     devices.update({n: x for n, x in (("cache_seqlens", cache_seqlens), ("block_table", block_table))

@@ -496,3 +496,20 @@ def test_exception_rule(call, exc):
     with pytest.raises(Exception) as info:
         call(q, k, v)
     assert type(info.value) is exc, f"expected {exc.__name__}, got {type(info.value).__name__}: {info.value}"
+
+
+def test_shares_elements_tells_interleaved_from_overlapping():
+    """Exact, from pointers and strides: halves of one buffer interleaved by row share an address range but no
+    element; views a row apart, one array twice, or a transposed view of it do share."""
+    from cuflash._checks import shares_elements
+
+    buf = np.zeros((2, 16, 2, 4, 8), dtype=np.float16)
+    k, v = buf[:, :, 0], buf[:, :, 1]
+    assert not shares_elements(k, v)
+    assert shares_elements(k, k) and shares_elements(k, k.transpose(0, 2, 1, 3))
+    rows = np.zeros((2, 17, 4, 8), dtype=np.float16)
+    assert shares_elements(rows[:, :-1], rows[:, 1:])
+    assert not shares_elements(rows[:, :8], rows[:, 8:])  # adjacent, apart
+    assert not shares_elements(k[:, :0], k)  # empty
+    assert shares_elements(buf[:, :, 0, :, 1:], buf[:, :, 0, :, :-1][..., ::-1])  # negative stride
+

@@ -579,3 +579,62 @@ def test_decoding_step_in_a_torch_cuda_graph(gpu):
     for e, row in ((0, 101), (1, 8)):
         got = kc[table[e, row // page], row % page]
         assert torch.equal(got.view(torch.int16), k[e, 0].view(torch.int16)), f"entry {e}: row {row}"
+
+
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+def test_plan_refuses_caches_that_share_memory(gpu, monkeypatch, kind):
+    """A planned signature's later call whose caches share elements (one array for both, caches a row apart in
+    one buffer) or whose q lies in a cache: the general path's error, nothing appended. Interleaved halves of one
+    buffer, the layout the plan was built from, run from the plan, bitwise as contiguous copies of them."""
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("torch without CUDA")
+    cp, cf = gpu.cp, gpu.cuflash
+    from cuflash import _plan, api
+
+    b, h, hk, d, cap = 2, 8, 2, 64, 256
+    rs = gpu.rng(f"plan-shared-caches-{kind}")
+    as_kind = (lambda x: x) if kind == "cupy" else (lambda x: torch.from_dlpack(x))
+    new = lambda *shape: gpu.randn(rs, shape, "bfloat16")
+    q, k, v = new(b, 1, h, d), new(b, 1, hk, d), new(b, 1, hk, d)
+    lens = cp.asarray([100, 7], dtype=cp.int32)
+    general_calls = []
+    general = api._with_kvcache
+    monkeypatch.setattr(api, "_with_kvcache", lambda *a, **kw: general_calls.append(1) or general(*a, **kw))
+    monkeypatch.setattr(_plan, "KVCACHE", {})
+
+    def call(kc, vc, q=q):
+        return cf.flash_attn_with_kvcache(*map(as_kind, (q, kc, vc, k, v)), cache_seqlens=as_kind(lens),
+                                         backend="cuda")
+
+    def refused(kc, vc, msg, q=q):
+        before, calls = (kc.copy(), vc.copy()), len(general_calls)
+        with pytest.raises(ValueError, match=msg):
+            call(kc, vc, q)
+        cp.cuda.runtime.deviceSynchronize()
+        assert len(general_calls) == calls + 1  # the plan handed the call to the general path
+        assert gpu.same_bits(kc, before[0]) == 0 and gpu.same_bits(vc, before[1]) == 0
+
+    # caches a row apart in one buffer: the plan comes from two buffers of that layout
+    x, y, z = new(b, cap + 1, hk, d), new(b, cap + 1, hk, d), new(b, cap + 1, hk, d)
+    call(x[:, :-1], y[:, 1:])
+    call(x[:, :-1], y[:, 1:])
+    assert len(general_calls) == 1 and len(_plan.KVCACHE) == 1
+    refused(z[:, :-1], z[:, 1:], "k_cache: must not share memory with v_cache")
+    # one array for both, and q inside k_cache
+    kc, vc = new(b, cap, hk, d), new(b, cap, hk, d)
+    call(kc, vc)
+    refused(kc, kc, "k_cache: must not share memory with v_cache \\(one array for both\\)")
+    in_cache = kc.reshape(-1)[: q.size].reshape(q.shape)
+    refused(kc, vc, "k_cache: must not share memory with q", q=in_cache)
+    # interleaved halves: from the plan, bitwise as contiguous copies
+    halves = new(b, cap, 2, hk, d)
+    first = call(halves[:, :, 0].copy(), halves[:, :, 1].copy())  # contiguous caches (their plan, built above)
+    pair = new(b, cap, 2, hk, d)
+    call(pair[:, :, 0], pair[:, :, 1])  # builds the interleaved signature's plan
+    calls = len(general_calls)
+    o = call(halves[:, :, 0], halves[:, :, 1])
+    cp.cuda.runtime.deviceSynchronize()
+    assert len(general_calls) == calls, "interleaved caches did not run from the plan"
+    assert gpu.same_bits(cp.from_dlpack(o), cp.from_dlpack(first)) == 0

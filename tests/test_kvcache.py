@@ -239,6 +239,12 @@ def _call(q, k_cache, v_cache, k=None, v=None, **kw):
     return cuflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, backend="numpy", **kw)
 
 
+def _row_apart(cache):
+    """k_cache and v_cache one row apart in one buffer: every row but one of each is a row of the other."""
+    buf = np.concatenate([cache, cache[:, :1]], axis=1)
+    return dict(k_cache=buf[:, :-1], v_cache=buf[:, 1:])
+
+
 BAD = [
     ("over capacity (dense)", lambda c, d, p: dict(d, cache_seqlens=np.array([3, 32], dtype=np.int32)), ValueError,
      "cache_seqlens: cache_seqlens + seqlen_new must be <= the cache's capacity 32 (k_cache's dimension 1), got 32 + 1"),
@@ -292,6 +298,8 @@ BAD = [
      "k_cache: must not share memory with k"),
     ("one cache for both", lambda c, d, p: dict(d, v_cache=d["k_cache"]), ValueError,
      "k_cache: must not share memory with v_cache (one array for both)"),
+    ("caches a row apart", lambda c, d, p: dict(d, **_row_apart(d["k_cache"])), ValueError,
+     "k_cache: must not share memory with v_cache"),
     ("causal", lambda c, d, p: dict(d, causal=1), TypeError, "causal: expected a bool"),
     ("window", lambda c, d, p: dict(d, window=(1,)), TypeError, "window: expected a pair of ints"),
     ("alibi shape", lambda c, d, p: dict(d, alibi_slopes=np.ones(3, dtype=np.float32)), ValueError, "alibi_slopes"),
@@ -313,6 +321,23 @@ def test_interleaved_caches_of_one_buffer():
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(kc, c["k_cache"])
     np.testing.assert_array_equal(vc, c["v_cache"])
+
+
+def test_plan_checks_the_caches_written_against_each_other_and_the_reads():
+    """A cached KV-cache call's pointers: caches whose ranges overlap at another distance than the validated
+    call's, or any read array inside a cache, send the call to the general path (which refuses it)."""
+    from cuflash._plan import _cache_shares
+
+    writes, reads = ((0, 1000), (0, 1000)), ((0, 64), None, None, (0, 8), None)  # q, k, v, cache_seqlens, table
+    ok = dict(writes=writes, kv_delta=2000, pkc=10_000, pvc=12_000, reads=reads, read_ptrs=(0, 0, 0, 50_000, 0))
+    assert not _cache_shares(**ok)
+    assert _cache_shares(**dict(ok, pvc=10_000))  # one array for both
+    assert _cache_shares(**dict(ok, pvc=10_016))  # a row apart
+    assert not _cache_shares(**dict(ok, kv_delta=16, pvc=10_016))  # the validated (interleaved) layout
+    assert _cache_shares(**dict(ok, read_ptrs=(10_990, 0, 0, 50_000, 0)))  # q's last bytes in k_cache
+    assert _cache_shares(**dict(ok, read_ptrs=(0, 0, 0, 12_500, 0)))  # cache_seqlens inside v_cache
+    assert not _cache_shares(**dict(ok, read_ptrs=(9_936, 0, 0, 13_000, 0)))  # just outside both
+    assert not _cache_shares(**dict(ok, reads=((0, 0), *reads[1:]), read_ptrs=(10_500, 0, 0, 50_000, 0)))  # empty q
 
 
 @pytest.mark.parametrize("name,make,exc,msg", BAD, ids=[b[0] for b in BAD])
