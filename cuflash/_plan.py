@@ -282,14 +282,14 @@ def _overlaps(spans, po: int, *pointers: int) -> bool:
     return any(po + olo < p + hi and p + lo < po + ohi for p, (lo, hi) in zip(pointers, inputs))
 
 
-def _cache_shares(writes, kv_delta: int, pkc: int, pvc: int, reads, read_ptrs) -> bool:
+def _cache_shares(writes, kv_deltas, pkc: int, pvc: int, reads, read_ptrs) -> bool:
     """Might the caches (at pkc, pvc; writes: their spans) share memory with one another or with an array the
     call reads (reads: spans or None, read_ptrs: their pointers)? Then the general path tells exactly (and
-    refuses). Caches whose ranges overlap are the validated call's layout (interleaved, element-disjoint) when
-    kv_delta apart, as then."""
+    refuses). Caches whose ranges overlap at a distance pvc - pkc in kv_deltas are a layout a call of this
+    signature validated (interleaved, element-disjoint)."""
     (klo, khi), (vlo, vhi) = writes
     k0, k1, v0, v1 = pkc + klo, pkc + khi, pvc + vlo, pvc + vhi
-    if k0 < v1 and v0 < k1 and pvc - pkc != kv_delta:
+    if k0 < v1 and v0 < k1 and pvc - pkc not in kv_deltas:
         return True
     for span, p in zip(reads, read_ptrs):
         if span is not None and span[0] < span[1]:
@@ -322,11 +322,11 @@ class KVCachePlan:
         self.int_start = cache_seqlens.__class__ is int  # an int: checked on every call, patched as AppendParams.start
         self.room = capacity - seqlen_new  # the largest int cache_seqlens
         self.rows = seqlen_new > 0
-        if self.rows:  # the caches are written: their spans, those of what the call reads, their distance apart
+        if self.rows:  # the caches are written: their spans, those of what the call reads, distances validated
             self.writes = (_span(k_cache), _span(v_cache))
             self.reads = tuple(None if x is None or x.__class__ is int else _span(x)
                                for x in (q, k, v, cache_seqlens, block_table))
-            self.kv_delta = _checks._base(v_cache) - _checks._base(k_cache)
+            self.kv_deltas = {_checks._base(v_cache) - _checks._base(k_cache)}
         self.append = None
         if self.rows or self.int_start:  # the rows and the key counts, in one launch before the attention's
             self.append = cuda.append_launches(k_cache, v_cache, k, v, 0, block_table, counts, seqlen_new=seqlen_new,
@@ -352,10 +352,12 @@ class KVCachePlan:
         else:
             start, pcs, bad = 0, ptr(cache_seqlens), False
         pbt = 0 if block_table is None else ptr(block_table)
-        if (bad or (pq | pkc | pvc | pk | pv) & MISALIGNED or kind.current_device() != kind.device
-                or (self.rows and _cache_shares(self.writes, self.kv_delta, pkc, pvc, self.reads,
-                                                (pq, pk, pv, pcs, pbt)))):
+        if bad or (pq | pkc | pvc | pk | pv) & MISALIGNED or kind.current_device() != kind.device:
             return self.general(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table)
+        if self.rows and _cache_shares(self.writes, self.kv_deltas, pkc, pvc, self.reads, (pq, pk, pv, pcs, pbt)):
+            result = self.general(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table)
+            self.kv_deltas.add(pvc - pkc)  # it did not raise: caches this far apart share no element
+            return result
         o = kind.like(q) if self.o_like else kind.same(q, self.o_shape)
         lse = kind.new(q, self.lse_shape, self.lse_dtype)
         scratch = kind.new(q, (self.scratch,), self.u8) if self.scratch else None

@@ -512,4 +512,3 @@ def test_shares_elements_tells_interleaved_from_overlapping():
     assert not shares_elements(rows[:, :8], rows[:, 8:])  # adjacent, apart
     assert not shares_elements(k[:, :0], k)  # empty
     assert shares_elements(buf[:, :, 0, :, 1:], buf[:, :, 0, :, :-1][..., ::-1])  # negative stride
-

@@ -324,16 +324,16 @@ def test_interleaved_caches_of_one_buffer():
 
 
 def test_plan_checks_the_caches_written_against_each_other_and_the_reads():
-    """A cached KV-cache call's pointers: caches whose ranges overlap at another distance than the validated
-    call's, or any read array inside a cache, send the call to the general path (which refuses it)."""
+    """A cached KV-cache call's pointers: caches whose ranges overlap at a distance no call has validated, or any
+    read array inside a cache, send the call to the general path (which refuses it, or validates the distance)."""
     from cuflash._plan import _cache_shares
 
     writes, reads = ((0, 1000), (0, 1000)), ((0, 64), None, None, (0, 8), None)  # q, k, v, cache_seqlens, table
-    ok = dict(writes=writes, kv_delta=2000, pkc=10_000, pvc=12_000, reads=reads, read_ptrs=(0, 0, 0, 50_000, 0))
+    ok = dict(writes=writes, kv_deltas={2000}, pkc=10_000, pvc=12_000, reads=reads, read_ptrs=(0, 0, 0, 50_000, 0))
     assert not _cache_shares(**ok)
     assert _cache_shares(**dict(ok, pvc=10_000))  # one array for both
     assert _cache_shares(**dict(ok, pvc=10_016))  # a row apart
-    assert not _cache_shares(**dict(ok, kv_delta=16, pvc=10_016))  # the validated (interleaved) layout
+    assert not _cache_shares(**dict(ok, kv_deltas={2000, 16}, pvc=10_016))  # a validated (interleaved) layout
     assert _cache_shares(**dict(ok, read_ptrs=(10_990, 0, 0, 50_000, 0)))  # q's last bytes in k_cache
     assert _cache_shares(**dict(ok, read_ptrs=(0, 0, 0, 12_500, 0)))  # cache_seqlens inside v_cache
     assert not _cache_shares(**dict(ok, read_ptrs=(9_936, 0, 0, 13_000, 0)))  # just outside both
