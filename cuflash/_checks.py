@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 
+from ._interop import is_torch
 from ._params import UNBOUNDED
 from .config import DTYPES, MAX_HEAD_DIM, dtype_name
 
@@ -174,7 +175,7 @@ def check_writable(name: str, x) -> None:
     if isinstance(x, np.ndarray) and not x.flags.writeable:
         raise ValueError(f"{name}: the array is read-only (a broadcast view, or writeable=False); pass a writable "
                          f"array")
-    if type(x).__module__.split(".")[0] == "torch":  # writes bypass autograd's in-place checks: refuse as torch does
+    if is_torch(x):  # writes bypass autograd's in-place checks: refuse as torch does
         import torch
 
         if x.requires_grad:
