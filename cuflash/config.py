@@ -88,12 +88,16 @@ QUERY_SPLIT = 512
 # the other kernels drop it.
 BOUNDED = 1024
 BOUNDED_SOFTCAP = 50.0
+# flash_bwd on compute capability 9.0 where sm_80's shared memory holds one buffer of Q and dO (d >= 224): the
+# block takes sm_90's budget (SMEM_LIMIT[90]), so two (choose_backward sets it; 1.07-1.10x at d = 256 on an H100,
+# bench/RESULTS.md 2026-12-06 (n))
+WIDE_SMEM = 2048
 # the KV-cache entry point has no backward, and the backward reads the LSE: choose_backward drops them
 FORWARD_ONLY = SEQUSED | PAGED | BOUNDED
-BACKWARD_ONLY = DETERMINISTIC | QUERY_SPLIT  # choose_forward drops them
+BACKWARD_ONLY = DETERMINISTIC | QUERY_SPLIT | WIDE_SMEM  # choose_forward drops them
 VARIANT_NAMES = {LOCAL: "local", SOFTCAP: "softcap", ALIBI: "alibi", DROPOUT: "dropout", VARLEN: "varlen",
                  WINDOW: "window", SEQUSED: "seqused", PAGED: "paged", DETERMINISTIC: "deterministic",
-                 QUERY_SPLIT: "query_split", BOUNDED: "bounded"}
+                 QUERY_SPLIT: "query_split", BOUNDED: "bounded", WIDE_SMEM: "wide_smem"}
 ALL_VARIANTS = LOCAL | SOFTCAP | ALIBI | DROPOUT | VARLEN | WINDOW | DETERMINISTIC
 
 
@@ -139,9 +143,9 @@ class KernelConfig:
 
     @property
     def arch(self) -> str | None:
-        """The one target this kernel is built for ("90a": it runs on compute capability 9.0 only), or None:
-        built for the device it runs on."""
-        return "90a" if self.family == "sm90" else None
+        """The one target this kernel is built for ("90a": it runs on compute capability 9.0 only; "90": WIDE_SMEM,
+        sm_90's shared memory), or None: built for the device it runs on."""
+        return "90a" if self.family == "sm90" else "90" if self.variant & WIDE_SMEM else None
 
     @property
     def threads(self) -> int:
@@ -278,14 +282,8 @@ def smem_bytes(cfg: KernelConfig) -> int:
         dq_exchange = 2 * 2 * 2 * 32 * 32 * 4 if bm * d == 64 * 64 else 0
         return (1024 + (2 * bn * d + 2 * stages * bm * d + (4 if split_dims else 2) * bm * bn) * e
                 + 2 * stages * bm * 4 + dq_acc + dq_exchange + 8 + 8 * (1 + 4 * stages))
-    if cfg.kernel == "flash_bwd":  # K, V tiles; dS^T tile (and P^T when warps share keys); per stage Q, dO, LSE, D
-        warp_keys = 32 if cfg.warps == bn // 16 and bn % 32 == 0 and d >= 96 else 16  # kWarpKeys in flash_bwd.cu
-        p_in_smem = cfg.warps // (bn // warp_keys) > 1  # kWM > 1
-        kv, tile, stage = 2 * bn * row * e, bn * (bm + pad) * e, 2 * bm * row * e + 2 * bm * 4
-        alias_p = p_in_smem and kv + 2 * tile + 2 * stage > SMEM_LIMIT[80]  # kAliasP: P^T in dS^T's tile
-        fixed = kv + (2 if p_in_smem and not alias_p else 1) * tile
-        stages = 2 if fixed + 2 * stage <= SMEM_LIMIT[80] else 1  # kStages: two buffers where sm_80 fits them
-        return fixed + stages * stage
+    if cfg.kernel == "flash_bwd":
+        return flash_bwd_layout(cfg)[0]
     if cfg.kernel == "flash_decode":  # Q tile; per warp decode_stages slots of K and V (kWarpKeys = bn / warps rows)
         return bm * row * e + 2 * decode_stages(cfg) * bn * decode_ring_pitch(d) * e
     if cfg.kernel in ("flash_decode_combine", "kvcache_append"):
@@ -354,6 +352,21 @@ def numpy_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
+def flash_bwd_layout(cfg: KernelConfig) -> tuple[int, int]:
+    """(shared memory bytes, Q / dO buffers) of a flash_bwd config, as flash_bwd.cu lays it out: K, V tiles; dS^T's
+    tile (and P^T's when warps share keys, unless it must take dS^T's: kAliasP); per buffer Q, dO, LSE, D. Two
+    buffers where they fit the budget: sm_80's shared memory, or with WIDE_SMEM sm_90's (kSmemBudget)."""
+    e, d, bm, bn, row = ITEMSIZE[cfg.dtype], cfg.head_dim, cfg.block_m, cfg.block_n, cfg.head_dim + 8
+    budget = SMEM_LIMIT[90 if cfg.variant & WIDE_SMEM else 80]
+    warp_keys = 32 if cfg.warps == bn // 16 and bn % 32 == 0 and d >= 96 else 16  # kWarpKeys
+    p_in_smem = cfg.warps // (bn // warp_keys) > 1  # kWM > 1
+    kv, tile, stage = 2 * bn * row * e, bn * (bm + 8) * e, 2 * bm * row * e + 2 * bm * 4
+    alias_p = p_in_smem and kv + 2 * tile + 2 * stage > budget  # kAliasP: P^T in dS^T's tile
+    fixed = kv + (2 if p_in_smem and not alias_p else 1) * tile
+    stages = 2 if fixed + 2 * stage <= budget else 1  # kStages
+    return fixed + stages * stage, stages
+
+
 def choose_forward(dtype, head_dim: int, variant: int, *, seqlen_k: int = 0, compute_capability: int = 0,
                    family: str | None = None) -> KernelConfig:
     """The forward config of a call; variant: variant_bits(...) (LOCAL alone for a causal call).
@@ -391,11 +404,12 @@ def choose_backward(dtype, head_dim: int, variant: int, *, key_slabs: int = 0, s
     fp16 / bf16: (flash_bwd_preprocess, flash_bwd, flash_bwd_postprocess): D and a zeroed fp32 dQ
     accumulator; one pass over key blocks (dK, dV, and dQ added into the accumulator); dQ converted. On
     compute capability 9.0 the middle one is flash_bwd_sm90, except for what it does not serve
-    (sm90_serves_backward), with QUERY_SPLIT where query_split says so; family as for choose_forward.
+    (sm90_serves_backward), with QUERY_SPLIT where query_split says so; family as for choose_forward. flash_bwd
+    there takes WIDE_SMEM where sm_80's shared memory would leave it one buffer of Q and dO.
     fp32 / fp64: (flash_bwd_preprocess, flash_bwd_dkdv_simt, flash_bwd_dq_simt): dQ in a kernel of its own,
     deterministic without DETERMINISTIC (which they drop)."""
     dt = dtype_name(dtype)
-    variant &= ~(FORWARD_ONLY | QUERY_SPLIT)  # the latter is this function's to set
+    variant &= ~(FORWARD_ONLY | QUERY_SPLIT | WIDE_SMEM)  # the latter two are this function's to set
     pre = _per_row("flash_bwd_preprocess", dt, variant)  # D = rowsum(dO * O): any head_dim, dense or varlen
     if dt not in TENSOR_CORE_DTYPES:
         variant &= ~DETERMINISTIC
@@ -417,6 +431,8 @@ def choose_backward(dtype, head_dim: int, variant: int, *, key_slabs: int = 0, s
     small = _TILES_SMALL_GRID["flash_bwd"].get(main.head_dim)
     if small and not variant & HEAVY and key_slabs * ceil_div(seqlen_k, main.block_n) < sms // 2:
         main = dataclasses.replace(main, block_m=small[0], block_n=small[1], warps=small[2])
+    if compute_capability == 90 and flash_bwd_layout(main)[1] == 1:
+        main = dataclasses.replace(main, variant=variant | WIDE_SMEM)
     return pre, main, post
 
 
@@ -622,7 +638,7 @@ _KEY_STEPS = sorted({keys for by_dim in _TILES_BY_KEYS.values() for by_mask in b
 def all_configs() -> list[KernelConfig]:
     """The configs the compile gate checks and `cuflash compile` builds: kvcache_append for every dtype, then
     (GATED_VARIANTS, with the backward's
-    small-grid tiles, and GATED_FORWARD_VARIANTS for the forward (bf16: GATED_BOUNDED_VARIANTS too),
+    small-grid tiles and its WIDE_SMEM configs, and GATED_FORWARD_VARIANTS for the forward (bf16: GATED_BOUNDED_VARIANTS too),
     GATED_DECODE_VARIANTS for flash_decode (with
     its combine); the Hopper kernels' for GATED_VARIANTS (the forward's also without WINDOW: causal with every
     score modifier), ALL_VARIANTS less what they do not serve (the
@@ -633,7 +649,8 @@ def all_configs() -> list[KernelConfig]:
         for d in HEAD_DIMS:
             for variant in GATED_VARIANTS:
                 cfgs = [choose_forward(dt, d, variant), *choose_backward(dt, d, variant),
-                        choose_backward(dt, d, variant, key_slabs=1, seqlen_k=1, sms=1 << 20)[1]]  # small grids
+                        choose_backward(dt, d, variant, key_slabs=1, seqlen_k=1, sms=1 << 20)[1],  # small grids
+                        choose_backward(dt, d, variant, compute_capability=90, family="mma")[1]]  # WIDE_SMEM
                 out.extend(c for c in cfgs if c not in out)
             bounded = GATED_BOUNDED_VARIANTS if dt == "bfloat16" else ()
             out.extend(c for c in (choose_forward(dt, d, v) for v in GATED_FORWARD_VARIANTS + bounded) if c not in out)

@@ -41,8 +41,10 @@ __device__ __forceinline__ unsigned smem_u32(const void* ptr) {
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
-// Dynamic shared memory one block may take on every target (sm_80's 163 KiB; config.SMEM_LIMIT[80]).
+// Dynamic shared memory one block may take on every target (sm_80's 163 KiB; config.SMEM_LIMIT[80]), and on
+// compute capability 9.0 (227 KiB; config.SMEM_LIMIT[90]).
 constexpr unsigned kSmemPortable = 166912;
+constexpr unsigned kSmemSm90 = 232448;
 
 __device__ __forceinline__ float fast_exp2(float x) { return exp2f(x); }
 __device__ __forceinline__ double fast_exp2(double x) { return exp2(x); }

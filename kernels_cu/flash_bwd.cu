@@ -94,11 +94,12 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_preprocess(const __gri
 //
 // Shared memory (16-bit elements, pitch kHeadDim + 8; sP / sdS pitch kBlockM + 8; then floats), Q, dO,
 // LSE and D in kStages buffers (2: the next query block loads while this one is computed; 1 where two do
-// not fit sm_80's 163 KiB):
+// not fit the budget kSmemBudget: sm_80's 163 KiB, or with kWideSmem, which config.choose_backward sets on
+// compute capability 9.0 where sm_80's leaves one buffer (d >= 224), sm_90's 227 KiB):
 //   sK [kBlockN], sV [kBlockN], sQ [kStages][kBlockM], sdO [kStages][kBlockM], sdS [kBlockN],
 //   (kWM > 1 and not kAliasP: sP [kBlockN]), sLse [kStages][kBlockM], sD [kStages][kBlockM]
-//   config.smem_bytes: 2 * block_n * (head_dim + 8) * 2 + (1 or 2) * block_n * (block_m + 8) * 2
-//                      + stages * (2 * block_m * (head_dim + 8) * 2 + 2 * block_m * 4)
+//   config.flash_bwd_layout: 2 * block_n * (head_dim + 8) * 2 + (1 or 2) * block_n * (block_m + 8) * 2
+//                            + stages * (2 * block_m * (head_dim + 8) * 2 + 2 * block_m * 4)
 //
 // Launch bounds: minBlocks 0 leaves ptxas its occupancy heuristic, except at d <= 64 with a mask, where
 // the heuristic trims to an occupancy step (128 or 168 registers) and spills (the compile gate, sm_80
@@ -121,14 +122,15 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
     constexpr int kNTilesD = kDCols / 8;
     constexpr bool kPInSmem = kWM > 1;
     constexpr int kPPitch = kBlockM + 8;
-    // Q, dO, LSE and D in two buffers where that fits every target's shared memory (sm_80's), with sP beside sdS
-    // if it fits too, else in its place; else one buffer
+    // Q, dO, LSE and D in two buffers where that fits the block's budget, with sP beside sdS if it fits too, else
+    // in its place; else one buffer. The budget: every target's shared memory (sm_80's), or sm_90's (kWideSmem)
+    constexpr unsigned kSmemBudget = (kVariant & kWideSmem) ? kSmemSm90 : kSmemPortable;
     constexpr unsigned kSmemKV = 2 * kBlockN * kPitch * sizeof(T);
     constexpr unsigned kSmemTile = kBlockN * kPPitch * sizeof(T);  // sdS, sP
     constexpr unsigned kSmemPerStage = 2 * kBlockM * kPitch * sizeof(T) + 2 * kBlockM * sizeof(float);
-    constexpr bool kAliasP = kPInSmem && kSmemKV + 2 * kSmemTile + 2 * kSmemPerStage > kSmemPortable;
+    constexpr bool kAliasP = kPInSmem && kSmemKV + 2 * kSmemTile + 2 * kSmemPerStage > kSmemBudget;
     constexpr unsigned kSmemFixed = kSmemKV + (kPInSmem && !kAliasP ? 2 : 1) * kSmemTile;
-    constexpr int kStages = kSmemFixed + 2 * kSmemPerStage <= kSmemPortable ? 2 : 1;
+    constexpr int kStages = kSmemFixed + 2 * kSmemPerStage <= kSmemBudget ? 2 : 1;
     constexpr unsigned kSmemBytes = kSmemFixed + kStages * kSmemPerStage;
     constexpr bool kIsDropout = (kVariant & kDropout) != 0;
     constexpr bool kIsDeterministic = (kVariant & kDeterministic) != 0;

@@ -26,7 +26,7 @@
 namespace cuflash {
 
 // kVariant bits (cuflash/config.py: LOCAL, SOFTCAP, ALIBI, DROPOUT, VARLEN, WINDOW, SEQUSED, PAGED,
-// DETERMINISTIC, QUERY_SPLIT).
+// DETERMINISTIC, QUERY_SPLIT, BOUNDED, WIDE_SMEM).
 constexpr int kLocal = 1;
 constexpr int kSoftcap = 2;
 constexpr int kAlibi = 4;
@@ -38,6 +38,7 @@ constexpr int kPaged = 128;   // KV cache in pages: key rows through block_table
 constexpr int kDeterministic = 256;  // backward: dQ tiles summed in key-block order (flash_bwd.cu)
 constexpr int kQuerySplit = 512;  // flash_bwd_sm90: a key block's query blocks split over a cluster of two
 constexpr int kBounded = 1024;    // with kSoftcap: the logits' bound replaces the softmax's running max
+constexpr int kWideSmem = 2048;   // flash_bwd on compute capability 9.0: its shared memory budget is sm_90's
 
 template <typename T>
 constexpr bool kIsBf16 = false;

@@ -286,6 +286,27 @@ def test_small_hopper_backward_grids_split_query_blocks():
                                             compute_capability=90)[1])
 
 
+def test_wide_smem_backward_on_hopper():
+    """flash_bwd on compute capability 9.0 takes WIDE_SMEM where sm_80's shared memory holds one buffer of Q and dO
+    (d >= 224): two buffers in sm_90's, built for sm_90 alone; nowhere else, and a caller's bit is dropped."""
+    def main(d, v=config.LOCAL, cc=90):
+        return config.choose_backward("bfloat16", d, v, compute_capability=cc, family="mma")[1]
+
+    for d in (224, 256):
+        for v in (0, config.LOCAL, config.DETERMINISTIC, config.SOFTCAP | config.DROPOUT | config.VARLEN):
+            wide, narrow = main(d, v), main(d, v, cc=80)
+            assert wide.variant == narrow.variant | config.WIDE_SMEM and not narrow.variant & config.WIDE_SMEM
+            assert config.flash_bwd_layout(narrow)[1] == 1 and config.flash_bwd_layout(wide)[1] == 2
+            assert config.SMEM_LIMIT[80] < wide.smem_bytes <= config.SMEM_LIMIT[90]
+            assert (wide.arch, narrow.arch) == ("90", None)
+            assert wide in config.all_configs() or v not in config.GATED_VARIANTS
+    for d in (32, 64, 128, 192):  # two buffers within sm_80's already: the same config on both
+        assert main(d) == main(d, cc=80) and config.flash_bwd_layout(main(d))[1] == 2
+    assert main(256, config.WIDE_SMEM, cc=80).variant == 0
+    assert config.choose_backward("bfloat16", 256, 0, compute_capability=90)[1].kernel == "flash_bwd_sm90"
+    assert config.choose_forward("bfloat16", 256, config.WIDE_SMEM, compute_capability=90).variant == 0
+
+
 def test_backward_grid():
     """(nheads_k [x2 split], key blocks, batch), and (nheads_k, batch, key blocks) when deterministic: the order
     backward.cuh's backward_block reads, for flash_bwd and flash_bwd_sm90 alike."""
