@@ -1,8 +1,9 @@
 """The probe behind bench/RESULTS.md's Nsight Compute figures for the backward (2026-12-04 (k)): one backward
-call (bf16, non-causal, B=2 H=8 d=128, N keys and queries, random normal inputs) in a profiler range, after
-three warm-up calls, by cuflash's mma.sync or Hopper family or by torch SDPA's FlashAttention-2 or cuDNN backend:
+call (bf16, non-causal, B=2, N keys and queries, head dim D (default 128) and 1024 / D heads, random normal inputs)
+in a profiler range, after three warm-up calls, by cuflash's mma.sync or Hopper family or by torch SDPA's
+FlashAttention-2 or cuDNN backend:
 
-    python3 bench/bwd_probe.py mma|sm90|flash|cudnn N
+    python3 bench/bwd_probe.py mma|sm90|flash|cudnn N [D]
     ncu --profile-from-start off -k 'regex:^flash_bwd$|seqk_parallel' \\
         --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio,smsp__inst_executed.sum' \\
         python3 bench/bwd_probe.py mma 4096
@@ -17,8 +18,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import cuflash
 
 
-def profiled_call(which: str, n: int):
-    b, h, d = 2, 8, 128
+def profiled_call(which: str, n: int, d: int = 128):
+    b, h = 2, max(1, 1024 // d)
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     if which in ("mma", "sm90"):
@@ -45,4 +46,4 @@ def run(fn):
 
 
 if __name__ == "__main__":
-    profiled_call(sys.argv[1], int(sys.argv[2]))
+    profiled_call(sys.argv[1], *map(int, sys.argv[2:4]))
