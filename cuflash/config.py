@@ -637,9 +637,8 @@ _KEY_STEPS = sorted({keys for by_dim in _TILES_BY_KEYS.values() for by_mask in b
 
 def all_configs() -> list[KernelConfig]:
     """The configs the compile gate checks and `cuflash compile` builds: kvcache_append for every dtype, then
-    (GATED_VARIANTS, with the backward's
-    small-grid tiles and its WIDE_SMEM configs, and GATED_FORWARD_VARIANTS for the forward (bf16: GATED_BOUNDED_VARIANTS too),
-    GATED_DECODE_VARIANTS for flash_decode (with
+    (GATED_VARIANTS, with the backward's small-grid tiles and its WIDE_SMEM configs, and GATED_FORWARD_VARIANTS for
+    the forward (bf16: GATED_BOUNDED_VARIANTS too), GATED_DECODE_VARIANTS for flash_decode (with
     its combine); the Hopper kernels' for GATED_VARIANTS (the forward's also without WINDOW: causal with every
     score modifier), ALL_VARIANTS less what they do not serve (the
     backward: dense, and varlen without ALiBi or without dropout), and the backward's QUERY_SPLIT plain, causal
