@@ -2,9 +2,9 @@
 
 `kernel(cfg)` returns a launchable `cupy.RawKernel`, loaded once per (config, device) from a module
 compiled once per (source hash, instantiations, device) and kept in memory; CuPy's disk cache keeps
-the binary across processes. A kernel built for one target (KernelConfig.arch: the Hopper kernels need
-sm_90a, and CuPy would add its own -arch) is compiled here with NVRTC from cuda-bindings into a cubin,
-kept on disk under cache_dir(), and loaded by CuPy. CuPy's disk cache keys on the source string only, not on the files it
+the binary across processes. A kernel for one target (KernelConfig.arch) runs on that compute capability
+alone; the Hopper kernels' ("90a": CuPy would add its own -arch) are compiled here with NVRTC from
+cuda-bindings into a cubin, kept on disk under cache_dir(), and loaded by CuPy. CuPy's disk cache keys on the source string only, not on the files it
 `#include`s, so `source_text(filename)` inlines every kernels_cu header into one string: an edited
 header can never run a stale binary.
 
@@ -141,11 +141,10 @@ def kernel(cfg: KernelConfig):
     k = _kernels.get(key)
     if k is not None:
         return k
+    if cfg.arch and _device_key()[1] != cfg.arch[:2]:
+        raise RuntimeError(f"{cfg.template_name} is built for sm_{cfg.arch}; this GPU is sm_{_device_key()[1]}")
     _check_smem(cfg)
-    if cfg.arch:
-        cc = _device_key()[1]
-        if cc != cfg.arch[:2]:
-            raise RuntimeError(f"{cfg.template_name} is built for sm_{cfg.arch}; this GPU is sm_{cc}")
+    if cfg.arch and cfg.arch.endswith("a"):  # an architecture-specific target, which CuPy's -arch cannot name
         mod, lowered = target_module(cfg.source, (cfg.template_name,), cfg.arch)
         k = mod.get_function(lowered[cfg.template_name])
     else:

@@ -130,7 +130,7 @@ class KernelConfig:
     block_n: int  # key rows per tile; 0 where the kernel takes none
     warps: int
     variant: int  # kVariant: a sum of LOCAL, SOFTCAP, ALIBI, DROPOUT, VARLEN, WINDOW, SEQUSED, PAGED, DETERMINISTIC,
-    # QUERY_SPLIT
+    # QUERY_SPLIT, BOUNDED, WIDE_SMEM
 
     @property
     def source(self) -> str:
@@ -143,8 +143,8 @@ class KernelConfig:
 
     @property
     def arch(self) -> str | None:
-        """The one target this kernel is built for ("90a": it runs on compute capability 9.0 only; "90": WIDE_SMEM,
-        sm_90's shared memory), or None: built for the device it runs on."""
+        """The one target this kernel runs on, or None (any): "90a", the Hopper kernels (built for sm_90a by NVRTC
+        from cuda-bindings); "90", WIDE_SMEM (sm_90's shared memory; built by CuPy, as the others)."""
         return "90a" if self.family == "sm90" else "90" if self.variant & WIDE_SMEM else None
 
     @property
@@ -355,7 +355,7 @@ def numpy_dtype(name: str) -> np.dtype:
 def flash_bwd_layout(cfg: KernelConfig) -> tuple[int, int]:
     """(shared memory bytes, Q / dO buffers) of a flash_bwd config, as flash_bwd.cu lays it out: K, V tiles; dS^T's
     tile (and P^T's when warps share keys, unless it must take dS^T's: kAliasP); per buffer Q, dO, LSE, D. Two
-    buffers where they fit the budget: sm_80's shared memory, or with WIDE_SMEM sm_90's (kSmemBudget)."""
+    buffers where they fit the budget: sm_80's shared memory, or with WIDE_SMEM sm_90's (FlashBwdLayout)."""
     e, d, bm, bn, row = ITEMSIZE[cfg.dtype], cfg.head_dim, cfg.block_m, cfg.block_n, cfg.head_dim + 8
     budget = SMEM_LIMIT[90 if cfg.variant & WIDE_SMEM else 80]
     warp_keys = 32 if cfg.warps == bn // 16 and bn % 32 == 0 and d >= 96 else 16  # kWarpKeys

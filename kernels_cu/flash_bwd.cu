@@ -94,13 +94,33 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_preprocess(const __gri
 //
 // Shared memory (16-bit elements, pitch kHeadDim + 8; sP / sdS pitch kBlockM + 8; then floats), Q, dO,
 // LSE and D in kStages buffers (2: the next query block loads while this one is computed; 1 where two do
-// not fit the budget kSmemBudget: sm_80's 163 KiB, or with kWideSmem, which config.choose_backward sets on
-// compute capability 9.0 where sm_80's leaves one buffer (d >= 224), sm_90's 227 KiB):
+// not fit the budget, FlashBwdLayout::kBudget: sm_80's 163 KiB, or with kWideSmem, which config.choose_backward
+// sets on compute capability 9.0 where sm_80's leaves one buffer (d >= 224), sm_90's 227 KiB):
 //   sK [kBlockN], sV [kBlockN], sQ [kStages][kBlockM], sdO [kStages][kBlockM], sdS [kBlockN],
 //   (kWM > 1 and not kAliasP: sP [kBlockN]), sLse [kStages][kBlockM], sD [kStages][kBlockM]
 //   config.flash_bwd_layout: 2 * block_n * (head_dim + 8) * 2 + (1 or 2) * block_n * (block_m + 8) * 2
 //                            + stages * (2 * block_m * (head_dim + 8) * 2 + 2 * block_m * 4)
 //
+// The warp grid and the shared memory of a flash_bwd tile (16-bit elements): kWarpKeys key rows a warp (kMT
+// m-tiles), kWN x kWM warps; Q, dO, LSE and D in two buffers where that fits the block's budget, with sP beside sdS
+// if it fits too, else in its place (kAliasP); else one buffer. The budget: every target's shared memory (sm_80's),
+// or sm_90's (kWideSmem). config.flash_bwd_layout mirrors kBytes and kStages (tests/test_config.py compares them).
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kVariant>
+struct FlashBwdLayout {
+    static constexpr int kPitch = kHeadDim + 8, kPPitch = kBlockM + 8;  // of sK .. sdO; of sP, sdS
+    static constexpr int kMT = kNWarps == kBlockN / 16 && kBlockN % 32 == 0 && kHeadDim >= 96 ? 2 : 1;
+    static constexpr int kWarpKeys = 16 * kMT, kWN = kBlockN / kWarpKeys, kWM = kNWarps / kWN;
+    static constexpr bool kPInSmem = kWM > 1;
+    static constexpr unsigned kBudget = (kVariant & kWideSmem) ? kSmemSm90 : kSmemPortable;
+    static constexpr unsigned kKV = 2 * kBlockN * kPitch * 2;
+    static constexpr unsigned kTile = kBlockN * kPPitch * 2;  // sdS, sP
+    static constexpr unsigned kPerStage = 2 * kBlockM * kPitch * 2 + 2 * kBlockM * 4;
+    static constexpr bool kAliasP = kPInSmem && kKV + 2 * kTile + 2 * kPerStage > kBudget;
+    static constexpr unsigned kFixed = kKV + (kPInSmem && !kAliasP ? 2 : 1) * kTile;
+    static constexpr int kStages = kFixed + 2 * kPerStage <= kBudget ? 2 : 1;
+    static constexpr unsigned kBytes = kFixed + kStages * kPerStage;
+};
+
 // Launch bounds: minBlocks 0 leaves ptxas its occupancy heuristic, except at d <= 64 with a mask, where
 // the heuristic trims to an occupancy step (128 or 168 registers) and spills (the compile gate, sm_80
 // and sm_90): there 1 lifts the trim.
@@ -110,28 +130,17 @@ __global__ void __launch_bounds__(kNWarps * 32, kHeadDim <= 64 && (kVariant & kL
     static_assert(sizeof(T) == 2, "tensor-core kernel: __half or __nv_bfloat16");
     static_assert(kBlockN % 16 == 0 && kNWarps % (kBlockN / 16) == 0, "16 key rows per warp or more");
     constexpr int kNThreads = kNWarps * 32;
-    constexpr int kPitch = kHeadDim + 8;
-    constexpr int kMT = kNWarps == kBlockN / 16 && kBlockN % 32 == 0 && kHeadDim >= 96 ? 2 : 1;  // m-tiles a warp
-    constexpr int kWarpKeys = 16 * kMT;
-    constexpr int kWN = kBlockN / kWarpKeys;
-    constexpr int kWM = kNWarps / kWN;
+    using Layout = FlashBwdLayout<kHeadDim, kBlockM, kBlockN, kNWarps, kVariant>;
+    constexpr int kPitch = Layout::kPitch, kPPitch = Layout::kPPitch;
+    constexpr int kMT = Layout::kMT, kWarpKeys = Layout::kWarpKeys, kWN = Layout::kWN, kWM = Layout::kWM;
     constexpr int kQCols = kBlockM / kWM;   // query columns of S^T per warp
     constexpr int kDCols = kHeadDim / kWM;  // head-dim columns of dK / dV per warp
     static_assert(kQCols % 16 == 0 && kDCols % 16 == 0, "ldmatrix.x4 covers 16 columns");
     constexpr int kNTilesQ = kQCols / 8;
     constexpr int kNTilesD = kDCols / 8;
-    constexpr bool kPInSmem = kWM > 1;
-    constexpr int kPPitch = kBlockM + 8;
-    // Q, dO, LSE and D in two buffers where that fits the block's budget, with sP beside sdS if it fits too, else
-    // in its place; else one buffer. The budget: every target's shared memory (sm_80's), or sm_90's (kWideSmem)
-    constexpr unsigned kSmemBudget = (kVariant & kWideSmem) ? kSmemSm90 : kSmemPortable;
-    constexpr unsigned kSmemKV = 2 * kBlockN * kPitch * sizeof(T);
-    constexpr unsigned kSmemTile = kBlockN * kPPitch * sizeof(T);  // sdS, sP
-    constexpr unsigned kSmemPerStage = 2 * kBlockM * kPitch * sizeof(T) + 2 * kBlockM * sizeof(float);
-    constexpr bool kAliasP = kPInSmem && kSmemKV + 2 * kSmemTile + 2 * kSmemPerStage > kSmemBudget;
-    constexpr unsigned kSmemFixed = kSmemKV + (kPInSmem && !kAliasP ? 2 : 1) * kSmemTile;
-    constexpr int kStages = kSmemFixed + 2 * kSmemPerStage <= kSmemBudget ? 2 : 1;
-    constexpr unsigned kSmemBytes = kSmemFixed + kStages * kSmemPerStage;
+    constexpr bool kPInSmem = Layout::kPInSmem, kAliasP = Layout::kAliasP;
+    constexpr int kStages = Layout::kStages;
+    constexpr unsigned kSmemBytes = Layout::kBytes;
     constexpr bool kIsDropout = (kVariant & kDropout) != 0;
     constexpr bool kIsDeterministic = (kVariant & kDeterministic) != 0;
     // dQ's share: kDqWM warps along the query rows (kDqMTiles 16-row groups each) x kDqWD along the head dim;

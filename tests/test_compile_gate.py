@@ -1,5 +1,6 @@
 """Compile gate: every kernel config the heuristics can return compiles with NVRTC (cuda-bindings,
-no GPU or driver needed) for sm_80 and sm_90 (the Hopper kernels for sm_90a alone), with no register
+no GPU or driver needed) for sm_80 and sm_90 (a config built for one target, KernelConfig.arch, for that
+alone: the Hopper kernels for sm_90a, WIDE_SMEM for sm_90), with no register
 spills, no stack frame, and shared memory within the device's limit. Grows with the kernels: it covers
 whatever config.all_configs() returns."""
 

@@ -300,6 +300,7 @@ def test_wide_smem_backward_on_hopper():
             assert config.SMEM_LIMIT[80] < wide.smem_bytes <= config.SMEM_LIMIT[90]
             assert (wide.arch, narrow.arch) == ("90", None)
             assert wide in config.all_configs() or v not in config.GATED_VARIANTS
+        assert main(d, config.ALL_VARIANTS) in config.all_configs()
     for d in (32, 64, 128, 192):  # two buffers within sm_80's already: the same config on both
         assert main(d) == main(d, cc=80) and config.flash_bwd_layout(main(d))[1] == 2
     assert main(256, config.WIDE_SMEM, cc=80).variant == 0
@@ -394,6 +395,20 @@ def test_decode_stages_match_the_kernel():
         assert stages == config.decode_stages(cfg) in (2, 3), (d, bn)
     assert got[len(tiles):] == [config.decode_ring_pitch(d) for d in config.HEAD_DIMS]
     assert _kernel_constants("flash_decode.cu", ["cuflash::kMaxSplits"]) == [config.MAX_SPLITS]
+
+
+def test_flash_bwd_layout_matches_the_kernel():
+    """config.flash_bwd_layout (and so smem_bytes) of every flash_bwd config, WIDE_SMEM's included, is the kernel's
+    FlashBwdLayout (kBytes, kStages: the kernel traps with less); the budgets and the bits are config's."""
+    cfgs = [c for c in config.all_configs() if c.kernel == "flash_bwd"]
+    assert any(c.variant & config.WIDE_SMEM for c in cfgs)
+    layout = "cuflash::FlashBwdLayout<{c.head_dim}, {c.block_m}, {c.block_n}, {c.warps}, {c.variant}>::"
+    exprs = [layout.format(c=c) + field for c in cfgs for field in ("kBytes", "kStages")]
+    got = _kernel_constants("flash_bwd.cu", exprs + ["cuflash::kSmemPortable", "cuflash::kSmemSm90",
+                                                     "cuflash::kWideSmem", "cuflash::kQuerySplit"])
+    for i, c in enumerate(cfgs):
+        assert (got[2 * i], got[2 * i + 1]) == config.flash_bwd_layout(c), c
+    assert got[-4:] == [config.SMEM_LIMIT[80], config.SMEM_LIMIT[90], config.WIDE_SMEM, config.QUERY_SPLIT]
 
 
 @pytest.mark.parametrize("kernel,layout", [("flash_fwd_sm90", "Sm90FwdSmem<{d}, {bm}, {bn}>"),

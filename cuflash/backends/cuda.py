@@ -174,7 +174,7 @@ def backward_launches(do, q, k, v, o, lse, dq, dk, dv, workspace, *, causal: boo
         except _tma.Unencodable:  # as in forward_launches
             if forced_family() == "sm90":
                 raise
-            cfgs = choose(family="mma")
+            cfgs = choose(compute_capability=compute_capability(), family="mma")
             p["dq_accum_swizzle"] = 0
     return Launches(p, [(cfg, grid(cfg)) for cfg in cfgs])
 
