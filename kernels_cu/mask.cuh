@@ -15,6 +15,8 @@
 // - kDropout: dropout.cuh.
 // - kVarlen: each batch entry's rows and lengths come from cu_seqlens (seqinfo.cuh).
 // - kSeqused, kPaged: a KV cache's key counts and pages (seqinfo.cuh; forward kernels only).
+// - kDeterministic, kQuerySplit, kWideSmem: how a backward runs, not what it computes (flash_bwd.cu,
+//   flash_bwd_sm90.cu).
 // The kernels hold scores in units of their own, a constant factor off the logit, so that the factor
 // rides on exp2's scale (ScoreMod::score_log2) and the LSE's (lse_scale) instead of costing a multiply
 // per score: q.k (logit / softmax_scale) without a softcap, as plain attention; tanh's t (logit /
