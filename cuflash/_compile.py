@@ -4,9 +4,9 @@
 compiled once per (source hash, instantiations, device) and kept in memory; CuPy's disk cache keeps
 the binary across processes. A kernel for one target (KernelConfig.arch) runs on that compute capability
 alone; the Hopper kernels' ("90a": CuPy would add its own -arch) are compiled here with NVRTC from
-cuda-bindings into a cubin, kept on disk under cache_dir(), and loaded by CuPy. CuPy's disk cache keys on the source string only, not on the files it
-`#include`s, so `source_text(filename)` inlines every kernels_cu header into one string: an edited
-header can never run a stale binary.
+cuda-bindings into a cubin, kept on disk under cache_dir(), and loaded by CuPy. CuPy's disk cache keys on
+the source string only, not on the files it `#include`s, so `source_text(filename)` inlines every
+kernels_cu header into one string: an edited header can never run a stale binary.
 
 `ptxas_reports(configs, arch)` compiles the same source with NVRTC from cuda-bindings, which needs no GPU
 and no driver, and parses ptxas' resource report: the compile gate (tests/test_compile_gate.py).
@@ -137,12 +137,13 @@ def target_module(filename: str, names: tuple[str, ...], arch: str):
 
 def kernel(cfg: KernelConfig):
     """The launchable kernel for cfg, compiled at its first use on this device."""
-    key = (cfg, _device_key())
+    device = _device_key()
+    key = (cfg, device)
     k = _kernels.get(key)
     if k is not None:
         return k
-    if cfg.arch and _device_key()[1] != cfg.arch[:2]:
-        raise RuntimeError(f"{cfg.template_name} is built for sm_{cfg.arch}; this GPU is sm_{_device_key()[1]}")
+    if cfg.arch and device[1] != cfg.arch[:2]:
+        raise RuntimeError(f"{cfg.template_name} is built for sm_{cfg.arch}; this GPU is sm_{device[1]}")
     _check_smem(cfg)
     if cfg.arch and cfg.arch.endswith("a"):  # an architecture-specific target, which CuPy's -arch cannot name
         mod, lowered = target_module(cfg.source, (cfg.template_name,), cfg.arch)
