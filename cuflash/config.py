@@ -275,10 +275,10 @@ def smem_bytes(cfg: KernelConfig) -> int:
     if cfg.kernel in ("flash_bwd_preprocess", "flash_bwd_postprocess"):
         return 0
     if cfg.kernel == "flash_bwd_sm90":
-        # Sm90BwdSmem: slack, K, V, 2 stages of Q and dO, 2 dS, LSE and D, sDqAcc, d = 64's 2 sDqX, exp2's
-        # scale, mbarriers; split dims (d > 128): 2 P^T, no sDqAcc
+        # Sm90BwdSmem: slack, K, V, 2 stages of Q and dO, 2 dS, LSE and D, sDqAcc (two deterministic), d = 64's 2
+        # sDqX, exp2's scale, mbarriers; split dims (d > 128): 2 P^T, no sDqAcc
         stages, split_dims = 2, sm90_split_dims(d)
-        dq_acc = 0 if split_dims else bm * d * 4
+        dq_acc = 0 if split_dims else bm * d * 4 * sm90_dq_buffers(cfg)
         dq_exchange = 2 * 2 * 2 * 32 * 32 * 4 if bm * d == 64 * 64 else 0
         return (1024 + (2 * bn * d + 2 * stages * bm * d + (4 if split_dims else 2) * bm * bn) * e
                 + 2 * stages * bm * 4 + dq_acc + dq_exchange + 8 + 8 * (1 + 4 * stages))
@@ -450,6 +450,12 @@ def kv_box_rows(cfg: KernelConfig, page_size: int) -> int:
 SM90_BWD_UNSERVED = SEQUSED | PAGED
 SM90_BWD_VARLEN_UNSERVED = ALIBI | DROPOUT
 SM90_BWD_VARLEN_NVRTC = 13  # against _compile.nvrtc_major(), the NVRTC that builds the Hopper kernels
+
+
+def sm90_dq_buffers(cfg: KernelConfig) -> int:
+    """flash_bwd_sm90's sDqAcc buffers (kDqBuffers): two deterministic, one dQ warp adding each, so that one's wait
+    for a tile's turn and for its adds to land runs under the other's pair."""
+    return 2 if cfg.variant & DETERMINISTIC else 1
 
 
 def sm90_split_dims(head_dim: int) -> bool:

@@ -19,8 +19,10 @@
 //     dQ accumulator in global memory by bulk reduces (the copy engine: no atomics from the consumers), and
 //     hands the buffer back as soon as the engine has read it.
 //   kDeterministic: the adds into each dQ tile come in a fixed order of key blocks (first to last, the launch
-//     order; query blocks visited last to first), each tile's turn kept by a semaphore (backward.cuh) that
-//     producer warp 3, the turn warp, waits for and hands on once the dQ warp's adds have completed.
+//     order; query blocks visited last to first), each tile's turn kept by a semaphore (backward.cuh). sDqAcc is
+//     double-buffered, and producer warp 2 + b adds buffer b (the pairs it with it % 2 == b): it waits for the
+//     tile's turn, adds, and hands the tile on once its adds have completed, while the other warp does the same
+//     for the next pair, so that neither wait holds the consumers.
 //   kQuerySplit (a grid too small for the GPU; not with kDeterministic): the two blocks of a cluster share the key
 //     block, rank 0 taking the first half of its query blocks and rank 1 the rest (under a causal mask the first
 //     key blocks' pairs, the grid's longest path, take half as long); at the end rank 0 puts its dK and dV into
@@ -31,17 +33,17 @@
 //   and dV, dK take them from there (wgmma A from shared memory), dQ = dS K too (A transposed: dS^T's tile read as
 //   dS). No sDqAcc (no shared memory left for 64 x 256 floats): each consumer adds its 64 x 128 share of dQ into the
 //   accumulator by vector atomics, under kDeterministic once the consumers have waited for the tile's turn; the dQ
-//   and turn warps have nothing to do.
+//   warps have nothing to do.
 // Accumulators are in the mma.sync C layout per warp (wgmma.cuh), so masks, score modifiers and dropout are
 // flash_bwd's (for_each_score_t, for_each_keep_t).
 //
 // Shared memory (sm90.cuh: 128-byte swizzle, [head_dim / 64 slabs][rows][64], 1024-byte aligned), Sm90BwdSmem:
 //   sK, sV [kBlockN rows]; kStages x sQ, kStages x sdO [kBlockM rows]; two sdS [kBlockN / 64 slabs][kBlockM]
 //   [64 keys] (one written while the other may still be read); kStages x LSE offsets and D [kBlockM floats];
-//   sDqAcc [kBlockM rows][dq_accum_row_stride <= kHeadDim floats]; d = 64: two sDqX (as sdS) [from consumer]
-//   [warp % 2][32 floats][32 lanes]; kSplitDims: two sP^T (as sdS) after the sdS, no sDqAcc; exp2's scale (a float);
-//   mbarriers kv_full, q_full[kStages], do_full[kStages], q_empty[kStages], do_empty[kStages]. config.smem_bytes
-//   mirrors it. kQuerySplit: rank 0's dK, dV partials, at the end, over sK, sV, sQ and sdO.
+//   kDqBuffers x sDqAcc [kBlockM rows][dq_accum_row_stride <= kHeadDim floats]; d = 64: two sDqX (as sdS)
+//   [from consumer][warp % 2][32 floats][32 lanes]; kSplitDims: two sP^T (as sdS) after the sdS, no sDqAcc; exp2's
+//   scale (a float); mbarriers kv_full, q_full[kStages], do_full[kStages], q_empty[kStages], do_empty[kStages].
+//   config.smem_bytes mirrors it. kQuerySplit: rank 0's dK, dV partials, at the end, over sK, sV, sQ and sdO.
 //
 // Serves dense and varlen batches. Varlen arrays are one packed entry to TMA (as in flash_fwd_sm90.cu), so the
 // tiles that run past a sequence's end hold the next sequence's rows: the consumers zero them (K, V once; Q,
@@ -58,7 +60,7 @@
 
 namespace cuflash {
 
-template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
+template <int kHeadDim, int kBlockM, int kBlockN, int kStages, int kDqBuffers>
 struct Sm90BwdSmem {  // byte offsets from the 1024-aligned base
     static constexpr bool kSplitDims = kHeadDim > 128;
     static constexpr unsigned kKV = kBlockN * kHeadDim * 2;  // sK or sV
@@ -72,7 +74,8 @@ struct Sm90BwdSmem {  // byte offsets from the 1024-aligned base
     static constexpr unsigned kDqAcc = kD + kStages * kBlockM * 4;
     // d = 64 (kDqOwnKeys): 2 buffers x 2 consumers x 2 warps x 32 lanes x 32 floats of handed-on dQ partials
     static constexpr bool kDqOwnKeys = kBlockM * kHeadDim == 64 * 64;
-    static constexpr unsigned kDqX = kDqAcc + (kSplitDims ? 0 : kBlockM * kHeadDim * 4);
+    static constexpr unsigned kDqAccBytes = kSplitDims ? 0 : kBlockM * kHeadDim * 4;  // one of kDqBuffers
+    static constexpr unsigned kDqX = kDqAcc + kDqBuffers * kDqAccBytes;
     static constexpr unsigned kScale = kDqX + (kDqOwnKeys ? 2 * 2 * 2 * 32 * 32 * 4 : 0);
     static constexpr unsigned kBarriers = kScale + 8;
     static constexpr unsigned kBytes = 1024 + kBarriers + 8 * (1 + 4 * kStages);
@@ -85,7 +88,10 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
     static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0, "whole 128-byte swizzle slabs of 64 columns");
     constexpr int kConsumers = kNWarps / 4 - 1;
     constexpr int kStages = 2;
-    using Smem = Sm90BwdSmem<kHeadDim, kBlockM, kBlockN, kStages>;
+    constexpr bool kIsDeterministic = (kVariant & kDeterministic) != 0;
+    // sDqAcc's buffers (of no bytes with kSplitDims): two under kDeterministic, one for each dQ warp
+    constexpr int kDqBuffers = kIsDeterministic ? 2 : 1;
+    using Smem = Sm90BwdSmem<kHeadDim, kBlockM, kBlockN, kStages, kDqBuffers>;
     constexpr bool kSplitDims = Smem::kSplitDims;
     static_assert(kSplitDims ? kBlockN == 64 && kConsumers == 2 : kBlockN == 64 * kConsumers,
                   "one consumer warpgroup per 64 keys, or two sharing them (kSplitDims)");
@@ -100,7 +106,6 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
     static_assert(!kDqOwnKeys || kConsumers == 2, "d = 64: the partials of two consumers, half the rows each");
     static_assert((kVariant & (kSeqused | kPaged)) == 0, "dense or varlen batches");
     constexpr bool kIsVarlen = (kVariant & kVarlen) != 0;
-    constexpr bool kIsDeterministic = (kVariant & kDeterministic) != 0;
     constexpr bool kIsQuerySplit = (kVariant & kQuerySplit) != 0;
     static_assert(!(kIsQuerySplit && kIsDeterministic), "the turns count key blocks, not halves of them");
     static_assert(!(kIsQuerySplit && kSplitDims), "rank 0's partials are whole rows of dK, dV");
@@ -118,10 +123,10 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
     static_assert(kProducerRegs + kConsumers * kConsumerRegs <= (1 + kConsumers) * launch_regs(kNWarps * 32),
                   "setmaxnreg moves registers between warpgroups: no more than the launch gave them");
     // Named barriers: kDsReady both consumers (also once varlen's tails are zeroed); kStore one per consumer;
-    // kDqX (d = 64) both consumers: sDqX's partials are in; with the dQ warp's arrival, kDqFree: it has read
-    // the last pair's sDqAcc; with the consumers' arrivals, kDqFull: this pair's sDqAcc is written;
-    // kDeterministic, the dQ and turn warps: kDqTurn the tile's turn has come, kDqAdded the dQ warp's adds
-    // have completed
+    // kDqX (d = 64) both consumers: sDqX's partials are in; sDqAcc buffer b's (the consumers and dQ warp 2 + b):
+    // kDqFree + 4 b, the warp has read the buffer's last pair, kDqFull + 4 b, this pair's tile is written;
+    // kSplitDims with kDeterministic, both consumers: kDqTurn the tile's turn has come, kDqAdded every thread's adds
+    // are issued
     constexpr int kDsReady = 1, kStore = 2, kDqX = 4, kDqFree = 5, kDqFull = 6, kDqTurn = 7, kDqAdded = 8;
     constexpr int kDqThreads = 128 * kConsumers + 32;
 
@@ -247,58 +252,48 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
                 }
                 mbarrier_arrive(q_full(s));
             }
-        } else if (!kSplitDims && warp == 2) {
-            // The dQ warp: per pair, once sDqAcc holds the tile (kDqFull), add its rows below seqlen_q into the
-            // accumulator (contiguous there: one bulk reduce), and give the buffer back (kDqFree) once the engine
-            // has read it. kDeterministic: the reduce waits for the tile's turn (kDqTurn, from the turn warp),
-            // and the turn warp hands it on once the adds have completed (kDqAdded)
-            if (n_it > 0) named_barrier_arrive(kDqFree, kDqThreads);
+        } else if (!kSplitDims && (warp == 2 || (kDqBuffers == 2 && warp == 3))) {
+            // The dQ warps: warp 2 + b adds sDqAcc buffer b, the pairs it with it % kDqBuffers == b. Per pair, once
+            // the buffer holds the tile (kDqFull + 4 b), add its rows below seqlen_q into the accumulator (contiguous
+            // there: one bulk reduce), and give the buffer back (kDqFree + 4 b) once the engine has read it.
+            // kDeterministic: before its reduce, lane 0 waits for the tile's turn (the key blocks before this one
+            // have added), and once the adds have completed hands the tile on
+            const int b = kDqBuffers == 1 ? 0 : warp - 2;  // (a constant for the compiler where it is one)
+            if (b < n_it) named_barrier_arrive(kDqFree + 4 * b, kDqThreads);
 #pragma unroll 1
-            for (int it = 0; it < n_it; ++it) {
+            for (int it = b; it < n_it; it += kDqBuffers) {
                 int head, m_block;
                 pair(it, head, m_block);
                 const int row_begin = m_block * kBlockM;
-                named_barrier_sync(kDqFull, kDqThreads);
+                int* semaphore = nullptr;
+                int turn = 0;
                 if constexpr (kIsDeterministic) {
-                    named_barrier_sync(kDqTurn, 64);
-                    // the previous key block's adds, acquired by the turn warp (generic proxy), before this
-                    // reduce (async proxy) adds to them
-                    asm volatile("fence.proxy.async.global;" ::: "memory");
+                    semaphore = dq_semaphores(p, batch, head) + m_block;
+                    turn = dq_turn<kBlockM, kBlockN>(mask, m_block, n_block);
+                    if (lane == 0) {
+                        while (load_acquire(semaphore) != turn) {}
+                    }
+                    __syncwarp();
                 }
+                named_barrier_sync(kDqFull + 4 * b, kDqThreads);
+                // kDeterministic: the previous key block's adds, acquired by lane 0 (generic proxy), before this
+                // reduce (async proxy) adds to them
+                if constexpr (kIsDeterministic) asm volatile("fence.proxy.async.global;" ::: "memory");
                 if (lane == 0) {
                     const unsigned rows = min(kBlockM, seqlen_q - row_begin);
-                    bulk_reduce_add_f32(dq_accum_rows(p, seq, batch, head) + row_begin * p.dq_accum_row_stride, sDqAcc,
-                                        rows * p.dq_accum_row_stride * 4);
+                    bulk_reduce_add_f32(dq_accum_rows(p, seq, batch, head) + row_begin * p.dq_accum_row_stride,
+                                        sDqAcc + b * Smem::kDqAccBytes, rows * p.dq_accum_row_stride * 4);
                 }
                 bulk_commit();
                 bulk_wait_read<0>();
-                if (it + 1 < n_it) named_barrier_arrive(kDqFree, kDqThreads);
+                if (it + kDqBuffers < n_it) named_barrier_arrive(kDqFree + 4 * b, kDqThreads);
                 if constexpr (kIsDeterministic) {
                     bulk_wait<0>();   // the adds have landed
                     __threadfence();  // and are visible before the turn is
-                    named_barrier_arrive(kDqAdded, 64);
+                    if (lane == 0) store_release(semaphore, turn + 1);
                 }
             }
             bulk_wait<0>();
-        } else if (!kSplitDims && kIsDeterministic && warp == 3) {
-            // The turn warp: per pair, wait for the dQ tile's turn (the key blocks before this one have added),
-            // let the dQ warp add, and once its adds have completed hand the tile on. The release is cumulative:
-            // the adds, ordered before it by the barrier and the dQ warp's fence, are visible to whoever acquires
-            // the new count
-#pragma unroll 1
-            for (int it = 0; it < n_it; ++it) {
-                int head, m_block;
-                pair(it, head, m_block);
-                int* const semaphore = dq_semaphores(p, batch, head) + m_block;
-                const int turn = dq_turn<kBlockM, kBlockN>(mask, m_block, n_block);
-                if (lane == 0) {
-                    while (load_acquire(semaphore) != turn) {}
-                }
-                __syncwarp();
-                named_barrier_arrive(kDqTurn, 64);
-                named_barrier_sync(kDqAdded, 64);
-                if (lane == 0) store_release(semaphore, turn + 1);
-            }
         }
         return;
     }
@@ -587,7 +582,8 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
                     for (int e = 0; e < 4; ++e) acc_dq[nd][e] += x[32 * (4 * nd + e)];
             }
         }
-        named_barrier_sync(kDqFree, kDqThreads);  // the dQ warp has read the last pair's sDqAcc
+        const int dq_buffer = kDqBuffers == 2 ? it & 1 : 0;
+        named_barrier_sync(kDqFree + 4 * dq_buffer, kDqThreads);  // its dQ warp has read the buffer's last pair
         if (writes) {
             // acc_dq[nd][2h + e]: query row dq_row0 + 16 warp + g + 8h, dim dq_col0 + 8 nd + 2t + e; the dims the
             // accumulator has (a whole 8-column group or none: its width is a multiple of 32), swizzled as there
@@ -599,7 +595,8 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int row = dq_row0 + 16 * warp + g + 8 * h;
-                const unsigned at = sDqAcc + (row * width + dq_col0 + 8 * (g & kDqSwizzleSm90) + 2 * t) * 4;
+                const unsigned at = sDqAcc + dq_buffer * Smem::kDqAccBytes +
+                                    (row * width + dq_col0 + 8 * (g & kDqSwizzleSm90) + 2 * t) * 4;
 #pragma unroll
                 for (int nd = 0; nd < 8; ++nd)
                     if (dq_col0 + 8 * nd < width)
@@ -610,7 +607,7 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
             }
         }
         fence_proxy_async();  // the stores, then the copy engine that reads them
-        named_barrier_arrive(kDqFull, kDqThreads);
+        named_barrier_arrive(kDqFull + 4 * dq_buffer, kDqThreads);
         wgmma_wait<0>();  // dK has completed: the stage's Q goes back to the producer
         fence_operands(acc_dk);
         mbarrier_arrive(q_empty(s));

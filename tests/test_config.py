@@ -412,11 +412,12 @@ def test_flash_bwd_layout_matches_the_kernel():
 
 
 @pytest.mark.parametrize("kernel,layout", [("flash_fwd_sm90", "Sm90FwdSmem<{d}, {bm}, {bn}>"),
-                                           ("flash_bwd_sm90", "Sm90BwdSmem<{d}, {bm}, {bn}, 2>")])
+                                           ("flash_bwd_sm90", "Sm90BwdSmem<{d}, {bm}, {bn}, 2, {dq}>")])
 def test_sm90_smem_matches_the_kernel(kernel, layout):
     """config.smem_bytes of each Hopper tile is the kernel's own layout's kBytes (the kernel traps with less)."""
-    cfgs = {(c.head_dim, c.block_m, c.block_n): c for c in config.all_configs() if c.kernel == kernel}
-    exprs = [f"cuflash::{layout.format(d=d, bm=bm, bn=bn)}::kBytes" for d, bm, bn in cfgs]
+    cfgs = {(c.head_dim, c.block_m, c.block_n, config.sm90_dq_buffers(c)): c
+            for c in config.all_configs() if c.kernel == kernel}
+    exprs = [f"cuflash::{layout.format(d=d, bm=bm, bn=bn, dq=dq)}::kBytes" for d, bm, bn, dq in cfgs]
     for cfg, kbytes in zip(cfgs.values(), _kernel_constants(f"{kernel}.cu", exprs)):
         assert cfg.smem_bytes == kbytes <= config.SMEM_LIMIT[90], cfg
 

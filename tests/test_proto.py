@@ -122,8 +122,8 @@ SM90_CASES = {
 # the rows), at 128 a tile each, over all keys; at 256 (split dims) two consumers sharing 64 keys (block_n = 64,
 # warps = 12), each adding its half of dQ's columns straight into the accumulator. O and LSE from the NumPy
 # backend; plain cases against cuflash.reference, those with variants against the NumPy backend.
-# "deterministic": True (not a backend variant: _sm90_backward takes it) sets DETERMINISTIC, the turn warp's
-# order of the dQ warp's adds (split dims: the consumers' adds); "query_split": True likewise QUERY_SPLIT, each
+# "deterministic": True (not a backend variant: _sm90_backward takes it) sets DETERMINISTIC, the turns of the two
+# dQ warps' adds (split dims: the consumers' adds); "query_split": True likewise QUERY_SPLIT, each
 # key block's query blocks split over two blocks.
 SM90_BWD_CASES = {
     # 2 query heads x 2 query blocks: each stage of the ring is used twice (the producer waits on q_empty,
@@ -440,7 +440,7 @@ def _sm90_bwd_refusals() -> list[str]:
     from cuflash.proto.flash_bwd_sm90 import make_flash_bwd_sm90
 
     fails = []
-    try:  # served now: the turn warp
+    try:  # served: the dQ warps wait for the turns
         make_flash_bwd_sm90(KernelConfig("flash_bwd_sm90", "float16", 64, 64, 128, 12, DETERMINISTIC))
     except ValueError as e:
         fails.append(f"deterministic refused: {e}")

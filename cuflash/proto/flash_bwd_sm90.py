@@ -34,15 +34,15 @@ tile, each consumer's over its own keys; consumer c writes rows 32 c .. 32 c + 3
 likewise. Producer warp 2, the dQ warp, adds sDqAcc's rows into dq_accum (CUDA: bulk reduces by the copy
 engine), so that the consumers issue no atomics.
 DETERMINISTIC: key blocks add into each dQ tile first to last while each visits its query blocks last to
-first (flash_bwd.py's backward_pair and dq_turn, as backward.cuh); producer warp 3, the turn warp, waits for
-each pair's turn, lets the dQ warp add (kDqTurn) and hands the tile on once the adds have completed
-(kDqAdded).
+first (flash_bwd.py's backward_pair and dq_turn, as backward.cuh). sDqAcc has two buffers (by it & 1), and
+producer warp 2 + (it & 1) adds pair it's: it waits for the tile's turn, adds, and hands the tile on once its
+adds have completed (CUDA: so that one dQ warp's waits run under the other's pair).
 SPLIT_DIMS (CUDA's kSplitDims, d = 256, where dK and dV over 64 keys would take 256 registers a thread): both
 consumers own the block's 64 keys. Consumer c computes S^T, dP^T, P^T and dS^T for queries q0 = 32 c .. 32 c + 31
 only and puts P^T and dS^T into keys x queries tiles, sPt and sdS (by it & 1); once both halves are in
 (kDsReady), it computes for dims d0 = 128 c .. 128 c + 127 dQ = dS K (all 64 queries, from sdS read
 transposed), dV += P^T dO and dK += dS^T Q (its A operands from shared memory), and adds its share of dQ into
-dq_accum itself (no sDqAcc: the dQ and turn warps idle). DETERMINISTIC: consumer 0's thread 0 waits for the
+dq_accum itself (no sDqAcc: the dQ warps idle). DETERMINISTIC: consumer 0's thread 0 waits for the
 tile's turn (kDqTurn, both consumers), and hands it on after every consumer thread's adds (kDqAdded). [10]:
 each consumer writes its dims of every key into sK, sV, then (kDsReady) stores keys 32 c .. 32 c + 31.
 
@@ -62,8 +62,8 @@ CUDA's s = it % kStages):
                shared memory (sA), since a thread's partner holds the other half of its key's row
                (SPLIT_DIMS: none, CUDA's are in shared memory too).
   named bars   CUDA's kDsReady (every consumer), kStore + consumer (one warpgroup), kDqX (the consumers),
-               kDqFree and kDqFull (the consumers and the dQ warp), kDqTurn and kDqAdded (the dQ and turn
-               warps; SPLIT_DIMS the consumers) are syncthreads.
+               kDqFree + 4 b and kDqFull + 4 b (the consumers and the dQ warp of sDqAcc buffer b), kDqTurn and
+               kDqAdded (SPLIT_DIMS and DETERMINISTIC: the consumers) are syncthreads.
   bulk reduce  the dQ warp's lane 0 adds sDqAcc's rows below seqlen_q element by element, dq_accum's
                columns (CUDA: one reduce of those rows, contiguous in sDqAcc as in the accumulator, whose rows
                are the compiled head dim wide; then a wait until the engine has read sDqAcc, or with
@@ -159,8 +159,8 @@ def make_flash_bwd_sm90(cfg):
     QUERIES = BLOCK_M // 2 if SPLIT_DIMS else BLOCK_M  # kQueries: a consumer's queries of S^T
     DIMS = HEAD_DIM // 2 if SPLIT_DIMS else HEAD_DIM  # kDims: a consumer's dims of dK, dV (and dQ)
     STORE_ROWS = BLOCK_N // 2 if SPLIT_DIMS else WG_KEYS  # kStoreRows: the dK, dV rows a consumer stores
-    DQ_WARP = 2  # the producer warpgroup's warp that adds sDqAcc into dq_accum
-    TURN_WARP = 3  # and the one that keeps the dQ tiles' turns (DETERMINISTIC)
+    DQ_WARP = 2  # the producer warpgroup's warp that adds sDqAcc buffer 0 into dq_accum (DQ_WARP + b buffer b)
+    DQ_BUFFERS = 2 if IS_DETERMINISTIC else 1  # kDqBuffers: sDqAcc's
     SIMULATED = bool(numba_config.ENABLE_CUDASIM)  # blocks one after another: a turn never comes by waiting
     ACC = acc_type(cfg.dtype)
     # A consumer thread's share: key wg_key0 + tid // TPR, queries (S^T) q0 + lane + j * TPR, dims (dK, dV)
@@ -178,7 +178,7 @@ def make_flash_bwd_sm90(cfg):
     SDS_SHAPE = (2, BLOCK_N, BLOCK_M) if SPLIT_DIMS else (2, BLOCK_M, BLOCK_N)
     SPT_SHAPE = (2, BLOCK_N, BLOCK_M) if SPLIT_DIMS else (1, 1, 1)
     SA_SHAPE = (1, 1, 1) if SPLIT_DIMS else (2, BLOCK_N, BLOCK_M)
-    DQ_ACC_SHAPE = (1, 1) if SPLIT_DIMS else (BLOCK_M, HEAD_DIM)
+    DQ_ACC_SHAPE = (1, 1, 1) if SPLIT_DIMS else (DQ_BUFFERS, BLOCK_M, HEAD_DIM)
     # mbarriers: indices into `bars`, in the kernel's order; arrivals a phase
     KV_FULL = 0
     N_BARS = 1 + 4 * STAGES
@@ -462,12 +462,11 @@ def make_flash_bwd_sm90(cfg):
                                       m_block, n_block)
 
     @cuda.jit(device=True)
-    def turn_warp_wait(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block, seqlen_q, seqlen_k,
+    def wait_turn(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block, seqlen_q, seqlen_k,
                        window_left, window_right, lane):
-        # The turn warp (DETERMINISTIC, producer warp 3; SPLIT_DIMS: consumer 0's thread 0, as lane 0) at pair
-        # it: wait for the tile's turn (the key blocks before this one have added); the dQ warp's adds (the
-        # consumers') start at kDqTurn, the syncthreads after this call (CUDA: named_barrier_arrive; the
-        # consumers' named_barrier_sync)
+        # DETERMINISTIC, pair it's dQ warp (SPLIT_DIMS: consumer 0's thread 0, as lane 0): wait for the tile's turn
+        # (the key blocks before this one have added); the adds start after the syncthreads after this call (CUDA:
+        # the dQ warp's __syncwarp, then named barrier kDqFull + 4 b; SPLIT_DIMS: the consumers' kDqTurn)
         if lane == 0:
             head, m_block, turn = tile_turn(it, head_k, group, m_block_first, m_block_end, n_block, seqlen_q, seqlen_k,
                                             window_left, window_right)
@@ -482,23 +481,23 @@ def make_flash_bwd_sm90(cfg):
     @cuda.jit(device=True)
     def hand_on(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block, seqlen_q, seqlen_k,
                 window_left, window_right, lane):
-        # The turn warp, once the dQ warp's adds into pair it's tile have completed (CUDA: its bulk_wait and
-        # fence, then named_barrier_sync(kDqAdded), the syncthreads before this call): the next key block's
-        # turn. The release is cumulative over what the barrier ordered before it (SPLIT_DIMS: consumer 0's
-        # thread 0, after every consumer thread's adds, as flash_bwd's)
+        # Pair it's dQ warp, once its adds into the tile have completed (CUDA: its bulk_wait and fence): the next
+        # key block's turn (SPLIT_DIMS: consumer 0's thread 0, after every consumer thread's adds, as flash_bwd's:
+        # named barrier kDqAdded, the syncthreads before this call; the release is cumulative over what the
+        # barrier ordered before it)
         if lane == 0:
             head, m_block, turn = tile_turn(it, head_k, group, m_block_first, m_block_end, n_block, seqlen_q, seqlen_k,
                                             window_left, window_right)
             cuda.atomic.exch(semaphore, (batch, head, m_block), turn + 1)  # CUDA: store_release
 
     @cuda.jit(device=True)
-    def add_dq_tile(sDqAcc, dq_accum, bidx, q_row0, head, row_begin, seqlen_q, lane):
-        # The dQ warp: sDqAcc's rows below seqlen_q into the accumulator (CUDA: lane 0's one bulk reduce of
+    def add_dq_tile(sDqAcc, buffer, dq_accum, bidx, q_row0, head, row_begin, seqlen_q, lane):
+        # A dQ warp: sDqAcc buffer's rows below seqlen_q into the accumulator (CUDA: lane 0's one bulk reduce of
         # those rows, dq_accum's width)
         if lane == 0:
             for r in range(min(BLOCK_M, seqlen_q - row_begin)):
                 for c in range(dq_accum.shape[3]):
-                    cuda.atomic.add(dq_accum, (bidx, head, q_row0 + row_begin + r, c), sDqAcc[r, c])
+                    cuda.atomic.add(dq_accum, (bidx, head, q_row0 + row_begin + r, c), sDqAcc[buffer, r, c])
 
     @cuda.jit(device=True)
     def add_dq_share(acc_dq, dq_accum, bidx, q_row0, head, row_begin, seqlen_q, d0, row, lane):
@@ -640,7 +639,7 @@ def make_flash_bwd_sm90(cfg):
                     issue_dv(it, acc_dv, sPt, it & 1, sdO, key, d0, lane)
                     issue_dk(it, acc_dk, sdS, it & 1, sQ, key, d0, lane)
                     if IS_DETERMINISTIC:
-                        turn_warp_wait(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block,
+                        wait_turn(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block,
                                        seqlen_q, seqlen_k, window_left, window_right, tid + WARPGROUP * consumer)
                 if IS_DETERMINISTIC:
                     cuda.syncthreads()  # CUDA: named barrier kDqTurn (the consumers)
@@ -684,20 +683,19 @@ def make_flash_bwd_sm90(cfg):
                 if DQ_OWN_KEYS:
                     for j in range(DQ_CPT):
                         acc_dq[j] += sDqX[it & 1, from_, dq_r % 32, lane + j * TPR]
-                # CUDA: after named barrier kDqFree (the dQ warp has read the last pair's sDqAcc)
+                # CUDA: after named barrier kDqFree + 4 b (its dQ warp has read buffer b's last pair)
                 for j in range(DQ_CPT):
-                    sDqAcc[dq_row0 + dq_r, dq_col0 + lane + j * TPR] = acc_dq[j]
-            if IS_DETERMINISTIC and warp_id == TURN_WARP:
-                turn_warp_wait(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block, seqlen_q,
-                               seqlen_k, window_left, window_right, cuda.threadIdx.x % 32)
-            # CUDA: named barriers kDqFull (the consumers arrive, the dQ warp syncs) and, DETERMINISTIC, kDqTurn
-            # (the turn warp arrives, the dQ warp syncs)
+                    sDqAcc[it % DQ_BUFFERS, dq_row0 + dq_r, dq_col0 + lane + j * TPR] = acc_dq[j]
+            dq_warp = warp_id == DQ_WARP + it % DQ_BUFFERS  # the dQ warp of this pair's buffer
+            if IS_DETERMINISTIC and dq_warp:
+                wait_turn(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block, seqlen_q,
+                          seqlen_k, window_left, window_right, cuda.threadIdx.x % 32)
+            # CUDA: named barrier kDqFull + 4 b (the consumers arrive, the dQ warp syncs)
             cuda.syncthreads()
-            if warp_id == DQ_WARP:
-                add_dq_tile(sDqAcc, dq_accum, bidx, q_start, head, row_begin, seqlen_q, cuda.threadIdx.x % 32)
-            if IS_DETERMINISTIC:
-                cuda.syncthreads()  # CUDA: named barrier kDqAdded (the dQ warp arrives, the turn warp syncs)
-                if warp_id == TURN_WARP:
+            if dq_warp:
+                add_dq_tile(sDqAcc, it % DQ_BUFFERS, dq_accum, bidx, q_start, head, row_begin, seqlen_q,
+                            cuda.threadIdx.x % 32)
+                if IS_DETERMINISTIC:
                     hand_on(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block, seqlen_q,
                             seqlen_k, window_left, window_right, cuda.threadIdx.x % 32)
             cuda.syncthreads()  # end of the phase: the releases are in
