@@ -463,7 +463,7 @@ def make_flash_bwd_sm90(cfg):
 
     @cuda.jit(device=True)
     def wait_turn(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block, seqlen_q, seqlen_k,
-                       window_left, window_right, lane):
+                  window_left, window_right, lane):
         # DETERMINISTIC, pair it's dQ warp (SPLIT_DIMS: consumer 0's thread 0, as lane 0): wait for the tile's turn
         # (the key blocks before this one have added); the adds start after the syncthreads after this call (CUDA:
         # the dQ warp's __syncwarp, then named barrier kDqFull + 4 b; SPLIT_DIMS: the consumers' kDqTurn)
@@ -640,7 +640,7 @@ def make_flash_bwd_sm90(cfg):
                     issue_dk(it, acc_dk, sdS, it & 1, sQ, key, d0, lane)
                     if IS_DETERMINISTIC:
                         wait_turn(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block,
-                                       seqlen_q, seqlen_k, window_left, window_right, tid + WARPGROUP * consumer)
+                                  seqlen_q, seqlen_k, window_left, window_right, tid + WARPGROUP * consumer)
                 if IS_DETERMINISTIC:
                     cuda.syncthreads()  # CUDA: named barrier kDqTurn (the consumers)
                 if consumer >= 0:
