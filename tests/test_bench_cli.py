@@ -655,3 +655,17 @@ def test_refusals_as_unavailable():
     with pytest.raises(OutOfMemoryError):
         with refusals_as_unavailable():
             raise OutOfMemoryError("CUDA out of memory")
+
+
+def test_variant_tiles_count_the_mask_alone():
+    # softcap, ALiBi and dropout pick other tiles than plain attention: tiles / plain must still read 1 for them,
+    # and a window's count must fall with its width
+    from cuflash.benchmark.suites import Case, tiles_visited
+
+    case = Case(2, 8, 8192, 8192, 128, "bfloat16", True)
+    plain = tiles_visited("plain", case)
+    for name in ("softcap", "alibi", "dropout", "gqa", "varlen"):
+        assert tiles_visited(name, case) == plain, name
+    narrow, wide = tiles_visited("window-1024", case), tiles_visited("window-4096", case)
+    assert narrow < wide < plain
+    assert abs(narrow / plain - 0.26) < 0.03  # 1024 of about 4096 keys a causal row sees on average

@@ -189,10 +189,12 @@ def variant_bits(name: str, case: Case) -> int:
 
 
 def tiles_visited(name: str, case: Case) -> int:
-    """Tiles of S the forward visits for a variants-suite row (the window's prediction of its time)."""
+    """Tiles of S the forward visits for a variants-suite row (the window's prediction of its time), counted on
+    plain attention's tiles for every row, so that only the mask changes the count (the variants' own configs
+    may tile S otherwise)."""
     from .. import _mask, config
 
-    cfg = config.choose_forward(case.dtype, case.head_dim, variant_bits(name, case))
+    cfg = config.choose_forward(case.dtype, case.head_dim, variant_bits("plain", case))
     left, right = _mask.effective_window(case.causal, variant_call(name, case)[0].get("window", _mask.NO_WINDOW))
     n = case.seqlen_q
     return sum(hi - lo for lo, hi in (_mask.n_block_range(m, cfg.block_m, cfg.block_n, n, n, left, right)
