@@ -31,9 +31,10 @@
 //   two consumers share them: each computes S^T and dP^T for half the queries (wgmma N = 32), and dV, dK and dQ for
 //   half the head dim. P^T and dS^T reach the other consumer through shared memory (sP^T, sdS^T: keys x queries),
 //   and dV, dK take them from there (wgmma A from shared memory), dQ = dS K too (A transposed: dS^T's tile read as
-//   dS). No sDqAcc (no shared memory left for 64 x 256 floats): each consumer adds its 64 x 128 share of dQ into the
-//   accumulator by vector atomics, under kDeterministic once the consumers have waited for the tile's turn; the dQ
-//   warps have nothing to do.
+//   dS). No sDqAcc (no shared memory left for 64 x 256 floats): once both consumers' GEMMs of the pair have
+//   completed, the pair's own Q and dO stage is free, and the dQ tile goes there, laid out as sDqAcc (rows 0-31 over
+//   sQ, 32-63 over sdO); the dQ warp adds it by two bulk reduces and gives the stage back to the producer once the
+//   engine has read it (the consumers' atomics, 64 KiB a pair, had kept the L2 busiest of all units).
 // Accumulators are in the mma.sync C layout per warp (wgmma.cuh), so masks, score modifiers and dropout are
 // flash_bwd's (for_each_score_t, for_each_keep_t).
 //
@@ -124,10 +125,10 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
                   "setmaxnreg moves registers between warpgroups: no more than the launch gave them");
     // Named barriers: kDsReady both consumers (also once varlen's tails are zeroed); kStore one per consumer;
     // kDqX (d = 64) both consumers: sDqX's partials are in; sDqAcc buffer b's (the consumers and dQ warp 2 + b):
-    // kDqFree + 4 b, the warp has read the buffer's last pair, kDqFull + 4 b, this pair's tile is written;
-    // kSplitDims with kDeterministic, both consumers: kDqTurn the tile's turn has come, kDqAdded every thread's adds
-    // are issued
-    constexpr int kDsReady = 1, kStore = 2, kDqX = 4, kDqFree = 5, kDqFull = 6, kDqTurn = 7, kDqAdded = 8;
+    // kDqFree + 4 b, the warp has read the buffer's last pair, kDqFull + 4 b, this pair's tile is written
+    // (kSplitDims: b = it & 1 whatever the dQ warps, so that the consumers never arrive on a barrier its dQ warp
+    // has not yet passed: their next arrival there waits for the stage that warp gives back)
+    constexpr int kDsReady = 1, kStore = 2, kDqX = 4, kDqFree = 5, kDqFull = 6;
     constexpr int kDqThreads = 128 * kConsumers + 32;
 
     unsigned dyn_smem;
@@ -190,8 +191,10 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
         for (int s = 0; s < kStages; ++s) {
             mbarrier_init(q_full(s), 1 + 32);  // the TMA thread, and warp 1's lanes with LSE and D
             mbarrier_init(do_full(s), 1);
-            mbarrier_init(q_empty(s), 128 * kConsumers);  // every consumer thread: each has read LSE and D
-            mbarrier_init(do_empty(s), 4 * kConsumers);   // lane 0 of every consumer warp (dO: wgmma's reads)
+            // every consumer thread (each has read LSE and D), lane 0 of every consumer warp (dO: wgmma's reads);
+            // kSplitDims: and the dQ warp, once the engine has read the dQ tile the consumers wrote over the stage
+            mbarrier_init(q_empty(s), 128 * kConsumers + kSplitDims);
+            mbarrier_init(do_empty(s), kSplitDims ? 1 : 4 * kConsumers);
         }
         fence_barrier_init();
         *sScaleLog2 = Mod(p.fwd, batch, head_k * group, mask.shift).score_log2(p.fwd);  // the same for every head
@@ -252,19 +255,21 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
                 }
                 mbarrier_arrive(q_full(s));
             }
-        } else if (!kSplitDims && (warp == 2 || (kDqBuffers == 2 && warp == 3))) {
+        } else if (warp == 2 || (kDqBuffers == 2 && warp == 3)) {
             // The dQ warps: warp 2 + b adds sDqAcc buffer b, the pairs it with it % kDqBuffers == b. Per pair, once
             // the buffer holds the tile (kDqFull + 4 b), add its rows below seqlen_q into the accumulator (contiguous
             // there: one bulk reduce), and give the buffer back (kDqFree + 4 b) once the engine has read it.
+            // kSplitDims: the tile lies over the pair's stage, rows 0-31 over sQ and 32-63 over sdO (two reduces),
+            // and the stage goes back to the producer (q_empty, do_empty) once the engine has read it.
             // kDeterministic: before its reduce, lane 0 waits for the tile's turn (the key blocks before this one
             // have added), and once the adds have completed hands the tile on
             const int b = kDqBuffers == 1 ? 0 : warp - 2;  // (a constant for the compiler where it is one)
-            if (b < n_it) named_barrier_arrive(kDqFree + 4 * b, kDqThreads);
+            if (!kSplitDims && b < n_it) named_barrier_arrive(kDqFree + 4 * b, kDqThreads);
 #pragma unroll 1
             for (int it = b; it < n_it; it += kDqBuffers) {
                 int head, m_block;
                 pair(it, head, m_block);
-                const int row_begin = m_block * kBlockM;
+                const int row_begin = m_block * kBlockM, s = it % kStages;
                 int* semaphore = nullptr;
                 int turn = 0;
                 if constexpr (kIsDeterministic) {
@@ -275,18 +280,30 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
                     }
                     __syncwarp();
                 }
-                named_barrier_sync(kDqFull + 4 * b, kDqThreads);
+                named_barrier_sync(kDqFull + 4 * (kSplitDims ? it & 1 : b), kDqThreads);
                 // kDeterministic: the previous key block's adds, acquired by lane 0 (generic proxy), before this
                 // reduce (async proxy) adds to them
                 if constexpr (kIsDeterministic) asm volatile("fence.proxy.async.global;" ::: "memory");
                 if (lane == 0) {
-                    const unsigned rows = min(kBlockM, seqlen_q - row_begin);
-                    bulk_reduce_add_f32(dq_accum_rows(p, seq, batch, head) + row_begin * p.dq_accum_row_stride,
-                                        sDqAcc + b * Smem::kDqAccBytes, rows * p.dq_accum_row_stride * 4);
+                    const int rows = min(kBlockM, seqlen_q - row_begin), width = p.dq_accum_row_stride;
+                    float* const dst = dq_accum_rows(p, seq, batch, head) + row_begin * width;
+                    if constexpr (kSplitDims) {
+                        bulk_reduce_add_f32(dst, sQ(s), min(rows, 32) * width * 4);
+                        if (rows > 32) bulk_reduce_add_f32(dst + 32 * width, sdO(s), (rows - 32) * width * 4);
+                    } else {
+                        bulk_reduce_add_f32(dst, sDqAcc + b * Smem::kDqAccBytes, rows * width * 4);
+                    }
                 }
                 bulk_commit();
                 bulk_wait_read<0>();
-                if (it + kDqBuffers < n_it) named_barrier_arrive(kDqFree + 4 * b, kDqThreads);
+                if constexpr (kSplitDims) {
+                    if (lane == 0) {
+                        mbarrier_arrive(q_empty(s));
+                        mbarrier_arrive(do_empty(s));
+                    }
+                } else if (it + kDqBuffers < n_it) {
+                    named_barrier_arrive(kDqFree + 4 * b, kDqThreads);
+                }
                 if constexpr (kIsDeterministic) {
                     bulk_wait<0>();   // the adds have landed
                     __threadfence();  // and are visible before the turn is
@@ -463,8 +480,8 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
         // [9] dS into shared memory; dQ = dS K (wgmma) into sDqAcc, which the dQ warp adds into dQ_accum
         if constexpr (kSplitDims) {
             // dS^T into sdS^T; once both consumers' halves of P^T and dS^T are in, this consumer's dims of
-            // dQ = dS K (A: sdS^T read transposed), dV += P^T dO and dK += dS^T Q, all from shared memory; dQ's
-            // share into the accumulator by atomics while dV's and dK's wgmmas run
+            // dQ = dS K (A: sdS^T read transposed), dV += P^T dO and dK += dS^T Q, all from shared memory; once
+            // both consumers' GEMMs have completed, dQ's share over the stage for the dQ warp (it hands the stage on)
             store_keys_by_queries(ds_tile);
             fence_proxy_async();  // the stores, then the wgmma that reads them
             named_barrier_sync(kDsReady, 128 * kConsumers);
@@ -485,44 +502,32 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
                 Wgmma<T, kDims>::ss_n(acc_dk, smem_desc(ds_tile + kq * 32, 16, 1024),
                                       smem_desc(sQ(s) + (d0 / 64) * kSlabQ + kq * 16 * 128, kSlabQ, 1024), 1);
             wgmma_commit();
-            wgmma_wait<2>();  // dQ has completed
+            wgmma_wait<0>();
             fence_operands(acc_dq);
-            // kDeterministic: consumer 0's thread 0 waits for the tile's turn, and hands it on once every
-            // consumer thread has issued its adds (the barrier orders them before the release, as in flash_bwd)
-            int* const semaphore = dq_semaphores(p, batch, head) + m_block;
-            const int turn = kIsDeterministic ? dq_turn<kBlockM, kBlockN>(mask, m_block, n_block) : 0;
-            if constexpr (kIsDeterministic) {
-                if (tid == 0 && consumer == 0) {
-                    while (load_acquire(semaphore) != turn) {}
-                }
-                named_barrier_sync(kDqTurn, 128 * kConsumers);
-            }
-            // acc_dq[nd][2h + e]: query row_begin + 16 warp + g + 8h, dim d0 + 8 nd + 2t + e; rows below seqlen_q,
-            // dims the accumulator has (whole 8-column groups), swizzled as flash_bwd_sm90's bulk reduces leave them
-            float* const dq_rows = dq_accum_rows(p, seq, batch, head);
+            fence_operands(acc_dv);
+            fence_operands(acc_dk);
+            named_barrier_sync(kDsReady, 128 * kConsumers);  // no wgmma reads the stage any more
+            // acc_dq[nd][2h + e]: query row 16 warp + g + 8h of the tile, dim d0 + 8 nd + 2t + e, stored as sDqAcc
+            // would hold it (below), rows 0-31 over sQ, 32-63 over sdO: 32 rows of the accumulator's width fit
+            // either (32 x 256 floats, one stage of 64 x 256 16-bit elements)
+            static_assert(32 * kHeadDim * 4 == Smem::kQ, "half the dQ tile over sQ, half over sdO");
             const int width = p.dq_accum_row_stride;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const int row = row_begin + 16 * warp + g + 8 * h;
-                if (row < seqlen_q) {
+                const int row = 16 * (warp % 2) + g + 8 * h;
+                const unsigned at =
+                    (warp < 2 ? sQ(s) : sdO(s)) + (row * width + d0 + 8 * (g & kDqSwizzleSm90) + 2 * t) * 4;
 #pragma unroll
-                    for (int nd = 0; nd < kNTilesD; ++nd) {
-                        const int col = dq_accum_col(row, d0 + 8 * nd + 2 * t, kDqSwizzleSm90);
-                        if (d0 + 8 * nd < width)
-                            red_add_f32x2(dq_rows + row * width + col, acc_dq[nd][2 * h], acc_dq[nd][2 * h + 1]);
-                    }
-                }
+                for (int nd = 0; nd < kNTilesD; ++nd)
+                    if (d0 + 8 * nd < width)
+                        asm volatile("st.shared.v2.f32 [%0], {%1, %2};"
+                                     ::"r"((at ^ (nd % 4) * 32) + (nd / 4) * 128), "f"(acc_dq[nd][2 * h]),
+                                     "f"(acc_dq[nd][2 * h + 1])
+                                     : "memory");
             }
-            if constexpr (kIsDeterministic) {
-                named_barrier_sync(kDqAdded, 128 * kConsumers);
-                if (tid == 0 && consumer == 0) store_release(semaphore, turn + 1);
-            }
-            wgmma_wait<1>();  // dV has completed: the stage's dO goes back to the producer
-            fence_operands(acc_dv);
-            if (lane == 0) mbarrier_arrive(do_empty(s));
-            wgmma_wait<0>();  // dK has completed: the stage's Q goes back to the producer
-            fence_operands(acc_dk);
-            mbarrier_arrive(q_empty(s));
+            fence_proxy_async();  // the stores, then the copy engine that reads them
+            named_barrier_arrive(kDqFull + 4 * (it & 1), kDqThreads);
+            mbarrier_arrive(q_empty(s));  // LSE and D read (the dQ warp's arrival gives the tiles back)
             continue;
         }
         // dS (queries x keys) into sdS, this consumer's 64 keys = slab `consumer`, by stmatrix .trans:

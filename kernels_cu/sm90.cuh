@@ -81,11 +81,6 @@ __device__ __forceinline__ void stmatrix_x4(unsigned addr, const unsigned (&r)[4
                  : "memory");
 }
 
-// Two floats added to global memory in one atomic reduction (8-byte aligned; sm_90's vector red)
-__device__ __forceinline__ void red_add_f32x2(float* addr, float a, float b) {
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(addr), "f"(a), "f"(b) : "memory");
-}
-
 // wgmma shared-memory matrix descriptor of a 128-byte-swizzled tile (see the top of this file): start
 // address, leading and stride byte offsets (both >> 4), swizzle mode 1 (128 bytes) in bits 62-63.
 //   K-major operand (Q, K): lbo unused (16), sbo = 1024 (the next 8 rows); step along K by adding 32 bytes

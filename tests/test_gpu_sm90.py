@@ -271,9 +271,9 @@ def test_hopper_backward_is_the_default_where_it_serves(hopper):
 def test_deterministic_backward_is_bitwise_repeatable(hopper, family, d, causal):
     """deterministic=True, both families: by the rule, and 50 calls bitwise identical. 6 key blocks add into each
     dQ tile in turn (d = 256: 11 blocks of 64 keys; GQA: the blocks of a kv head visit both of its query heads'
-    tiles); sm90 at d = 64 sums the two consumers' partials of the one dQ tile before the adds, at d = 256 both
-    consumers add their halves of the tile's columns in its turn. (Windows: test_gpu_variants'
-    test_variant_deterministic, whose dense 16-bit cases run the sm90 family here.)"""
+    tiles); sm90 at d = 64 sums the two consumers' partials of the one dQ tile before the adds, at d = 256 the
+    tile lies over the pair's Q and dO stage (two reduces, whose dQ warp also gives the stage back). (Windows:
+    test_gpu_variants' test_variant_deterministic, whose dense 16-bit cases run the sm90 family here.)"""
     (q, k, v, do), (o, lse, *_) = _training_step(hopper, "bfloat16", causal, f"sm90-det-{d}-{causal}", 2, 517, 700,
                                                  4, 2, d)
     with cuflash.kernel_family(family):

@@ -120,10 +120,11 @@ SM90_CASES = {
 # block_m = 64; 384 threads, a few seconds per (query head, query block) pair. dQ's 64 x 64 tiles: at cfg head
 # dim 64 one in all (each consumer's partial over its own keys, summed through sDqX, each consumer writing half
 # the rows), at 128 a tile each, over all keys; at 256 (split dims) two consumers sharing 64 keys (block_n = 64,
-# warps = 12), each adding its half of dQ's columns straight into the accumulator. O and LSE from the NumPy
+# warps = 12), each writing its half of dQ's columns over the pair's Q and dO stage, which the dQ warp adds and
+# gives back to the producer. O and LSE from the NumPy
 # backend; plain cases against cuflash.reference, those with variants against the NumPy backend.
 # "deterministic": True (not a backend variant: _sm90_backward takes it) sets DETERMINISTIC, the turns of the two
-# dQ warps' adds (split dims: the consumers' adds); "query_split": True likewise QUERY_SPLIT, each
+# dQ warps' adds; "query_split": True likewise QUERY_SPLIT, each
 # key block's query blocks split over two blocks.
 SM90_BWD_CASES = {
     # 2 query heads x 2 query blocks: each stage of the ring is used twice (the producer waits on q_empty,
@@ -171,7 +172,7 @@ SM90_BWD_CASES = {
     # for half the dims. Tails (36 queries, 26 keys), GQA, rows 0 .. 9 seeing no key; key block 1 visits query
     # block 1 only
     "sm90_bwd_f32_d256_split_dims_causal_gqa": (1, 100, 90, 2, 1, 256, True, "float32", (256, 64, 64, 12), {}),
-    # 3 key blocks add into each dQ tile in turn, both consumers' halves of its columns
+    # 3 key blocks add into each dQ tile in turn (the tile over the stage: the producer waits for its dQ warp)
     "sm90_bwd_f32_d256_split_dims_deterministic": (1, 70, 150, 1, 1, 256, False, "float32", (256, 64, 64, 12),
                                                    {"deterministic": True}),
     # varlen: sequence 0's second key block and its query block run into sequence 1 (zeroed by both consumers)
@@ -444,7 +445,7 @@ def _sm90_bwd_refusals() -> list[str]:
         make_flash_bwd_sm90(KernelConfig("flash_bwd_sm90", "float16", 64, 64, 128, 12, DETERMINISTIC))
     except ValueError as e:
         fails.append(f"deterministic refused: {e}")
-    try:  # d = 256: split dims, the consumers taking the turns
+    try:  # d = 256: split dims, the dQ warps too
         make_flash_bwd_sm90(KernelConfig("flash_bwd_sm90", "float16", 256, 64, 64, 12, DETERMINISTIC | VARLEN))
     except ValueError as e:
         fails.append(f"split dims refused: {e}")

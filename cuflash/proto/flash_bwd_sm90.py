@@ -41,17 +41,19 @@ SPLIT_DIMS (CUDA's kSplitDims, d = 256, where dK and dV over 64 keys would take 
 consumers own the block's 64 keys. Consumer c computes S^T, dP^T, P^T and dS^T for queries q0 = 32 c .. 32 c + 31
 only and puts P^T and dS^T into keys x queries tiles, sPt and sdS (by it & 1); once both halves are in
 (kDsReady), it computes for dims d0 = 128 c .. 128 c + 127 dQ = dS K (all 64 queries, from sdS read
-transposed), dV += P^T dO and dK += dS^T Q (its A operands from shared memory), and adds its share of dQ into
-dq_accum itself (no sDqAcc: the dQ warps idle). DETERMINISTIC: consumer 0's thread 0 waits for the
-tile's turn (kDqTurn, both consumers), and hands it on after every consumer thread's adds (kDqAdded). [10]:
-each consumer writes its dims of every key into sK, sV, then (kDsReady) stores keys 32 c .. 32 c + 31.
+transposed), dV += P^T dO and dK += dS^T Q (its A operands from shared memory). No sDqAcc: once both consumers'
+GEMMs have completed (kDsReady), the pair's stage is free, and each writes its share of the dQ tile over it,
+rows 0-31 over sQ[stage] and 32-63 over sdO[stage]; the pair's dQ warp adds the tile as above and gives the
+stage back to the producer (q_empty beside the consumers' threads, do_empty alone). [10]: each consumer writes
+its dims of every key into sK, sV, then (kDsReady) stores keys 32 c .. 32 c + 31.
 
 What stands in for Hopper's machinery, as in proto/flash_fwd_sm90.py (the kernel's names are kept; stage is
 CUDA's s = it % kStages):
   mbarriers    `bars`, a shared int32 array in the kernel's order (kv_full, q_full[2], do_full[2],
                q_empty[2], do_empty[2]) counting arrivals; q_full takes 1 + 32 a phase (the TMA thread
                and warp 1's lanes), q_empty 128 per consumer (every thread: each read LSE and D), do_empty
-               4 per consumer (lane 0 of each warp).
+               4 per consumer (lane 0 of each warp); SPLIT_DIMS: the dQ warp's 1 more on q_empty, do_empty its
+               alone (once the dQ tile over the stage is read).
   TMA          the producer thread copies a tile itself (flash_fwd.load_tile: zeros past the sequence
                and head_dim, as a box past the tensor's extent), then arrives on the full barrier.
   asynchrony   none: lock-step phases, one consumer iteration each (every consumer at once), then the
@@ -62,20 +64,20 @@ CUDA's s = it % kStages):
                shared memory (sA), since a thread's partner holds the other half of its key's row
                (SPLIT_DIMS: none, CUDA's are in shared memory too).
   named bars   CUDA's kDsReady (every consumer), kStore + consumer (one warpgroup), kDqX (the consumers),
-               kDqFree + 4 b and kDqFull + 4 b (the consumers and the dQ warp of sDqAcc buffer b), kDqTurn and
-               kDqAdded (SPLIT_DIMS and DETERMINISTIC: the consumers) are syncthreads.
+               kDqFree + 4 b and kDqFull + 4 b (the consumers and the dQ warp of sDqAcc buffer b; SPLIT_DIMS:
+               b = it & 1, no kDqFree) are syncthreads.
   bulk reduce  the dQ warp's lane 0 adds sDqAcc's rows below seqlen_q element by element, dq_accum's
                columns (CUDA: one reduce of those rows, contiguous in sDqAcc as in the accumulator, whose rows
-               are the compiled head dim wide; then a wait until the engine has read sDqAcc, or with
-               DETERMINISTIC until the adds have completed).
-  atomics      SPLIT_DIMS: each consumer thread adds its dQ share element by element (CUDA: red.global.add.v2.f32).
+               are the compiled head dim wide; SPLIT_DIMS two, of the rows over sQ and over sdO; then a wait
+               until the engine has read them, or with DETERMINISTIC until the adds have completed).
   swizzle      none: dq_accum's columns are plain here (CUDA's sDqAcc and accumulator chunks of 8 columns
                are swizzled by dq_accum_col, which the postprocess undoes).
   setmaxnreg   no counterpart.
 Layout: a consumer's 128 threads hold its 64 keys two to a key (thread_layout(64, ., 128), proto/flash_fwd.py),
 each half of the key's queries (S^T, dP^T) and dims (dK, dV); the dQ tile likewise two threads to a query row.
 SPLIT_DIMS: the same over the consumer's 32 queries and 128 dims; its dQ share (64 queries x 128 dims) two
-threads to a query row.
+threads to a query row, dQ row r over row r % 32 of sQ[stage] (r < 32) or sdO[stage] (CUDA: 32 rows of fp32 fill
+the stage's 64 rows of 16-bit elements).
 The producer warpgroup's threads pass every barrier holding nothing (CUDA's producer has returned).
 
 Arithmetic is proto/flash_bwd.py's: acc_t accumulation, dot products summed in order, P and dS not rounded to
@@ -184,8 +186,10 @@ def make_flash_bwd_sm90(cfg):
     N_BARS = 1 + 4 * STAGES
     FULL_COUNT = 1  # kv_full, do_full: the producer's arrive.expect_tx (the bytes complete the phase)
     Q_FULL_COUNT = 1 + 32  # the TMA thread, and warp 1's lanes with LSE and D
-    Q_EMPTY_COUNT = 128 * CONSUMERS  # every consumer thread (each has read the stage's LSE and D rows)
-    DO_EMPTY_COUNT = 4 * CONSUMERS  # lane 0 of every consumer warp
+    # every consumer thread (each has read the stage's LSE and D rows), lane 0 of every consumer warp;
+    # SPLIT_DIMS: and the dQ warp, once it has added the dQ tile written over the stage
+    Q_EMPTY_COUNT = 128 * CONSUMERS + SPLIT_DIMS
+    DO_EMPTY_COUNT = 1 if SPLIT_DIMS else 4 * CONSUMERS
 
     @cuda.jit(device=True)
     def q_full(stage):
@@ -464,9 +468,9 @@ def make_flash_bwd_sm90(cfg):
     @cuda.jit(device=True)
     def wait_turn(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block, seqlen_q, seqlen_k,
                   window_left, window_right, lane):
-        # DETERMINISTIC, pair it's dQ warp (SPLIT_DIMS: consumer 0's thread 0, as lane 0): wait for the tile's turn
-        # (the key blocks before this one have added); the adds start after the syncthreads after this call (CUDA:
-        # the dQ warp's __syncwarp, then named barrier kDqFull + 4 b; SPLIT_DIMS: the consumers' kDqTurn)
+        # DETERMINISTIC, pair it's dQ warp: wait for the tile's turn (the key blocks before this one have added);
+        # the adds start after the syncthreads after this call (CUDA: the dQ warp's __syncwarp, then named barrier
+        # kDqFull + 4 b)
         if lane == 0:
             head, m_block, turn = tile_turn(it, head_k, group, m_block_first, m_block_end, n_block, seqlen_q, seqlen_k,
                                             window_left, window_right)
@@ -482,34 +486,25 @@ def make_flash_bwd_sm90(cfg):
     def hand_on(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block, seqlen_q, seqlen_k,
                 window_left, window_right, lane):
         # Pair it's dQ warp, once its adds into the tile have completed (CUDA: its bulk_wait and fence): the next
-        # key block's turn (SPLIT_DIMS: consumer 0's thread 0, after every consumer thread's adds, as flash_bwd's:
-        # named barrier kDqAdded, the syncthreads before this call; the release is cumulative over what the
-        # barrier ordered before it)
+        # key block's turn
         if lane == 0:
             head, m_block, turn = tile_turn(it, head_k, group, m_block_first, m_block_end, n_block, seqlen_q, seqlen_k,
                                             window_left, window_right)
             cuda.atomic.exch(semaphore, (batch, head, m_block), turn + 1)  # CUDA: store_release
 
     @cuda.jit(device=True)
-    def add_dq_tile(sDqAcc, buffer, dq_accum, bidx, q_row0, head, row_begin, seqlen_q, lane):
+    def add_dq_tile(sDqAcc, buffer, sQ, sdO, stage, dq_accum, bidx, q_row0, head, row_begin, seqlen_q, lane):
         # A dQ warp: sDqAcc buffer's rows below seqlen_q into the accumulator (CUDA: lane 0's one bulk reduce of
-        # those rows, dq_accum's width)
+        # those rows, dq_accum's width); SPLIT_DIMS: the tile's rows over sQ[stage] and sdO[stage] (CUDA: a reduce
+        # of each), then the stage goes back to the producer (CUDA: once the engine has read it)
         if lane == 0:
             for r in range(min(BLOCK_M, seqlen_q - row_begin)):
                 for c in range(dq_accum.shape[3]):
-                    cuda.atomic.add(dq_accum, (bidx, head, q_row0 + row_begin + r, c), sDqAcc[buffer, r, c])
-
-    @cuda.jit(device=True)
-    def add_dq_share(acc_dq, dq_accum, bidx, q_row0, head, row_begin, seqlen_q, d0, row, lane):
-        # SPLIT_DIMS: this consumer thread's share of dQ (query row_begin + row, dims from d0) straight into
-        # the accumulator: rows below seqlen_q, the columns it has (CUDA: red.global.add.v2.f32 of 8-column
-        # groups below dq_accum_row_stride, at dq_accum_col's swizzled columns; here unswizzled, as the dQ
-        # warp's adds and the postprocess's reads)
-        if row_begin + row < seqlen_q:
-            for j in range(DQ_CPT):
-                c = d0 + lane + j * TPR
-                if c < dq_accum.shape[3]:
-                    cuda.atomic.add(dq_accum, (bidx, head, q_row0 + row_begin + row, c), acc_dq[j])
+                    if SPLIT_DIMS:
+                        x = sQ[stage, r, c] if r < 32 else sdO[stage, r - 32, c]
+                    else:
+                        x = sDqAcc[buffer, r, c]
+                    cuda.atomic.add(dq_accum, (bidx, head, q_row0 + row_begin + r, c), x)
 
     @cuda.jit(device=True)
     def release(bars, stage, tid):
@@ -630,62 +625,51 @@ def make_flash_bwd_sm90(cfg):
             # of P^T and dS^T are in)
             cuda.syncthreads()
             if SPLIT_DIMS:
-                # This consumer's dims of dQ = dS K, dV += P^T dO and dK += dS^T Q, all from shared memory; its
-                # share of dQ straight into dq_accum (no sDqAcc, no dQ warp). DETERMINISTIC: consumer 0's thread 0
-                # waits for the tile's turn (kDqTurn, both consumers), hands it on once every consumer thread has
-                # added (kDqAdded)
+                # This consumer's dims of dQ = dS K, dV += P^T dO and dK += dS^T Q, all from shared memory
                 if consumer >= 0:
                     issue_dq(it, acc_dq, sdS, sK, 0, d0, 0, dq_r, lane)
                     issue_dv(it, acc_dv, sPt, it & 1, sdO, key, d0, lane)
                     issue_dk(it, acc_dk, sdS, it & 1, sQ, key, d0, lane)
-                    if IS_DETERMINISTIC:
-                        wait_turn(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block,
-                                  seqlen_q, seqlen_k, window_left, window_right, tid + WARPGROUP * consumer)
-                if IS_DETERMINISTIC:
-                    cuda.syncthreads()  # CUDA: named barrier kDqTurn (the consumers)
+                # CUDA: wgmma_wait<0>, then named barrier kDsReady: no wgmma reads the stage any more, and its
+                # share of the dQ tile goes over it (rows 0-31 over sQ, 32-63 over sdO)
+                cuda.syncthreads()
                 if consumer >= 0:
-                    add_dq_share(acc_dq, dq_accum, bidx, q_start, head, row_begin, seqlen_q, d0, dq_r, lane)
-                if IS_DETERMINISTIC:
-                    cuda.syncthreads()  # CUDA: named barrier kDqAdded (the consumers)
-                if consumer >= 0:
-                    if IS_DETERMINISTIC:
-                        hand_on(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block, seqlen_q,
-                                seqlen_k, window_left, window_right, tid + WARPGROUP * consumer)
-                    release(bars, stage, tid)
-                cuda.syncthreads()  # the end of the phase, as below
-                tile, rows_it = producer_turn(tile, rows_it, bars, sK, sV, sQ, sdO, sLse, sD, q, k, v, do, lse, dsum,
-                                              bidx, q_start, k_start, head_k, group, key_begin, m_block_first,
-                                              m_block_end, n_it, seqlen_q)
-                continue
-            if consumer >= 0:
-                issue_dk(it, acc_dk, sA, 1, sQ, key, d0, lane)
-                store_ds(it, acc_dp, sdS, key, lane)
-            # CUDA: fence_proxy_async, then named barrier kStore + consumer (kDqOwnKeys: this consumer's keys
-            # are in) or kDsReady (every consumer's)
-            cuda.syncthreads()
-            writes = consumer >= 0
-            from_ = 0  # CUDA's `from`: the consumer whose partial sDqX holds
-            warp_id = cuda.threadIdx.x // 32
-            if consumer >= 0:
-                issue_dq(it, acc_dq, sdS, sK, dq_row0, dq_col0, dq_key0, dq_r, lane)
-                release(bars, stage, tid)
-                # kDqOwnKeys: consumer c writes the rows of its warps 2c, 2c + 1, their partials summed with the
-                # other consumer's (handed on through sDqX); its other rows' partial it hands on
-                if DQ_OWN_KEYS:
-                    writes = warp // 2 == consumer
-                    from_ = 1 - consumer if writes else consumer
-                    if not writes:
-                        for j in range(DQ_CPT):
-                            sDqX[it & 1, from_, dq_r % 32, lane + j * TPR] = acc_dq[j]
-            if DQ_OWN_KEYS:
-                cuda.syncthreads()  # CUDA: named barrier kDqX (the consumers): sDqX's partials are in
-            if writes:
-                if DQ_OWN_KEYS:
                     for j in range(DQ_CPT):
-                        acc_dq[j] += sDqX[it & 1, from_, dq_r % 32, lane + j * TPR]
-                # CUDA: after named barrier kDqFree + 4 b (its dQ warp has read buffer b's last pair)
-                for j in range(DQ_CPT):
-                    sDqAcc[it % DQ_BUFFERS, dq_row0 + dq_r, dq_col0 + lane + j * TPR] = acc_dq[j]
+                        if dq_r < 32:
+                            sQ[stage, dq_r, d0 + lane + j * TPR] = acc_dq[j]
+                        else:
+                            sdO[stage, dq_r - 32, d0 + lane + j * TPR] = acc_dq[j]
+                    mbarrier_arrive(bars, q_empty(stage))  # LSE and D read
+            else:
+                if consumer >= 0:
+                    issue_dk(it, acc_dk, sA, 1, sQ, key, d0, lane)
+                    store_ds(it, acc_dp, sdS, key, lane)
+                # CUDA: fence_proxy_async, then named barrier kStore + consumer (kDqOwnKeys: this consumer's keys
+                # are in) or kDsReady (every consumer's)
+                cuda.syncthreads()
+                writes = consumer >= 0
+                from_ = 0  # CUDA's `from`: the consumer whose partial sDqX holds
+                if consumer >= 0:
+                    issue_dq(it, acc_dq, sdS, sK, dq_row0, dq_col0, dq_key0, dq_r, lane)
+                    release(bars, stage, tid)
+                    # kDqOwnKeys: consumer c writes the rows of its warps 2c, 2c + 1, their partials summed with the
+                    # other consumer's (handed on through sDqX); its other rows' partial it hands on
+                    if DQ_OWN_KEYS:
+                        writes = warp // 2 == consumer
+                        from_ = 1 - consumer if writes else consumer
+                        if not writes:
+                            for j in range(DQ_CPT):
+                                sDqX[it & 1, from_, dq_r % 32, lane + j * TPR] = acc_dq[j]
+                if DQ_OWN_KEYS:
+                    cuda.syncthreads()  # CUDA: named barrier kDqX (the consumers): sDqX's partials are in
+                if writes:
+                    if DQ_OWN_KEYS:
+                        for j in range(DQ_CPT):
+                            acc_dq[j] += sDqX[it & 1, from_, dq_r % 32, lane + j * TPR]
+                    # CUDA: after named barrier kDqFree + 4 b (its dQ warp has read buffer b's last pair)
+                    for j in range(DQ_CPT):
+                        sDqAcc[it % DQ_BUFFERS, dq_row0 + dq_r, dq_col0 + lane + j * TPR] = acc_dq[j]
+            warp_id = cuda.threadIdx.x // 32
             dq_warp = warp_id == DQ_WARP + it % DQ_BUFFERS  # the dQ warp of this pair's buffer
             if IS_DETERMINISTIC and dq_warp:
                 wait_turn(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block, seqlen_q,
@@ -693,8 +677,11 @@ def make_flash_bwd_sm90(cfg):
             # CUDA: named barrier kDqFull + 4 b (the consumers arrive, the dQ warp syncs)
             cuda.syncthreads()
             if dq_warp:
-                add_dq_tile(sDqAcc, it % DQ_BUFFERS, dq_accum, bidx, q_start, head, row_begin, seqlen_q,
-                            cuda.threadIdx.x % 32)
+                add_dq_tile(sDqAcc, it % DQ_BUFFERS, sQ, sdO, stage, dq_accum, bidx, q_start, head, row_begin,
+                            seqlen_q, cuda.threadIdx.x % 32)
+                if SPLIT_DIMS and cuda.threadIdx.x % 32 == 0:  # the stage's tiles go back to the producer
+                    mbarrier_arrive(bars, q_empty(stage))
+                    mbarrier_arrive(bars, do_empty(stage))
                 if IS_DETERMINISTIC:
                     hand_on(it, semaphore, batch, head_k, group, m_block_first, m_block_end, n_block, seqlen_q,
                             seqlen_k, window_left, window_right, cuda.threadIdx.x % 32)
