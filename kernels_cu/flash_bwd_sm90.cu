@@ -82,6 +82,28 @@ struct Sm90BwdSmem {  // byte offsets from the 1024-aligned base
     static constexpr unsigned kBytes = 1024 + kBarriers + 8 * (1 + 4 * kStages);
 };
 
+// A warp's rows of a dQ tile into shared memory at `tile` as the fp32 accumulator holds them (rows of `width` =
+// dq_accum_row_stride floats; sDqAcc's layout): acc[nd][2h + e] (the wgmma C layout; g = lane / 4, t = lane % 4) is
+// row row0 + g + 8h (row0 a multiple of 4), column col0 + 8 nd + 2t + e. Only the columns the accumulator has (a
+// whole 8-column group or none: its width is a multiple of 32), swizzled as there (a warp's 8 rows x 32 bytes in 2
+// wavefronts): dq_accum_col(row, ., kDqSwizzleSm90), the rows' swizzle g's, as an XOR on the address (rows are
+// 128-byte aligned, and chunk nd's place differs from chunk nd % 4's by (nd / 4) 128 bytes).
+template <int kTiles>
+__device__ __forceinline__ void store_dq_rows(unsigned tile, int row0, int col0, int width, int g, int t,
+                                              const float (&acc)[kTiles][4]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = row0 + g + 8 * h;
+        const unsigned at = tile + (row * width + col0 + 8 * (g & kDqSwizzleSm90) + 2 * t) * 4;
+#pragma unroll
+        for (int nd = 0; nd < kTiles; ++nd)
+            if (col0 + 8 * nd < width)
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};"
+                             ::"r"((at ^ (nd % 4) * 32) + (nd / 4) * 128), "f"(acc[nd][2 * h]), "f"(acc[nd][2 * h + 1])
+                             : "memory");
+    }
+}
+
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kVariant>
 __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launch_bounds__(kNWarps * 32, 1)
     flash_bwd_sm90(const __grid_constant__ BwdSm90Params params) {
@@ -508,23 +530,10 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
             fence_operands(acc_dk);
             named_barrier_sync(kDsReady, 128 * kConsumers);  // no wgmma reads the stage any more
             // acc_dq[nd][2h + e]: query row 16 warp + g + 8h of the tile, dim d0 + 8 nd + 2t + e, stored as sDqAcc
-            // would hold it (below), rows 0-31 over sQ, 32-63 over sdO: 32 rows of the accumulator's width fit
-            // either (32 x 256 floats, one stage of 64 x 256 16-bit elements)
+            // would hold it, rows 0-31 over sQ, 32-63 over sdO: 32 rows of the accumulator's width fit either (32 x
+            // 256 floats, one stage of 64 x 256 16-bit elements)
             static_assert(32 * kHeadDim * 4 == Smem::kQ, "half the dQ tile over sQ, half over sdO");
-            const int width = p.dq_accum_row_stride;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = 16 * (warp % 2) + g + 8 * h;
-                const unsigned at =
-                    (warp < 2 ? sQ(s) : sdO(s)) + (row * width + d0 + 8 * (g & kDqSwizzleSm90) + 2 * t) * 4;
-#pragma unroll
-                for (int nd = 0; nd < kNTilesD; ++nd)
-                    if (d0 + 8 * nd < width)
-                        asm volatile("st.shared.v2.f32 [%0], {%1, %2};"
-                                     ::"r"((at ^ (nd % 4) * 32) + (nd / 4) * 128), "f"(acc_dq[nd][2 * h]),
-                                     "f"(acc_dq[nd][2 * h + 1])
-                                     : "memory");
-            }
+            store_dq_rows(warp < 2 ? sQ(s) : sdO(s), 16 * (warp % 2), d0, p.dq_accum_row_stride, g, t, acc_dq);
             fence_proxy_async();  // the stores, then the copy engine that reads them
             named_barrier_arrive(kDqFull + 4 * (it & 1), kDqThreads);
             mbarrier_arrive(q_empty(s));  // LSE and D read (the dQ warp's arrival gives the tiles back)
@@ -589,27 +598,11 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
         }
         const int dq_buffer = kDqBuffers == 2 ? it & 1 : 0;
         named_barrier_sync(kDqFree + 4 * dq_buffer, kDqThreads);  // its dQ warp has read the buffer's last pair
+        // acc_dq[nd][2h + e]: query row dq_row0 + 16 warp + g + 8h, dim dq_col0 + 8 nd + 2t + e
+        static_assert(Smem::kDqAcc % 128 == 0, "sDqAcc's rows 128-byte aligned");
         if (writes) {
-            // acc_dq[nd][2h + e]: query row dq_row0 + 16 warp + g + 8h, dim dq_col0 + 8 nd + 2t + e; the dims the
-            // accumulator has (a whole 8-column group or none: its width is a multiple of 32), swizzled as there
-            // (a warp's 8 rows x 32 bytes in 2 wavefronts). dq_accum_col(g, ..., kDqSwizzleSm90) (the rows'
-            // swizzle is g's) as an XOR on the address: rows are 128-byte aligned, and chunk nd's place differs
-            // from chunk nd % 4's by (nd / 4) 128 bytes
-            static_assert(Smem::kDqAcc % 128 == 0, "sDqAcc's rows 128-byte aligned");
-            const int width = p.dq_accum_row_stride;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = dq_row0 + 16 * warp + g + 8 * h;
-                const unsigned at = sDqAcc + dq_buffer * Smem::kDqAccBytes +
-                                    (row * width + dq_col0 + 8 * (g & kDqSwizzleSm90) + 2 * t) * 4;
-#pragma unroll
-                for (int nd = 0; nd < 8; ++nd)
-                    if (dq_col0 + 8 * nd < width)
-                        asm volatile("st.shared.v2.f32 [%0], {%1, %2};"
-                                     ::"r"((at ^ (nd % 4) * 32) + (nd / 4) * 128), "f"(acc_dq[nd][2 * h]),
-                                     "f"(acc_dq[nd][2 * h + 1])
-                                     : "memory");
-            }
+            store_dq_rows(sDqAcc + dq_buffer * Smem::kDqAccBytes, dq_row0 + 16 * warp, dq_col0, p.dq_accum_row_stride, g,
+                          t, acc_dq);
         }
         fence_proxy_async();  // the stores, then the copy engine that reads them
         named_barrier_arrive(kDqFull + 4 * dq_buffer, kDqThreads);
