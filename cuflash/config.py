@@ -196,8 +196,9 @@ _TILES: dict[str, dict[int, tuple[int, int, int]]] = {
     "flash_fwd_sm90": {64: (128, 128, 12), 128: (128, 128, 12), 256: (128, 64, 12)},
     # Hopper backward: a producer and one consumer per 64 keys; dQ in 64 x 64 tiles, one per consumer or one
     # in all (block_m / 64 * head_dim / 64 of them). Head dims up to 128: dK and dV of 64 keys x the head dim
-    # live in registers. At d = 64, 128 x 128 runs out of registers (ptxas serializes the wgmmas).
-    "flash_bwd_sm90": {64: (64, 128, 12), 128: (64, 128, 12), 256: (64, 64, 12)},
+    # live in registers. d = 64 at 128 x 128 (FlashAttention-3's tile), a consumer's queries in two halves:
+    # 1.14-1.15x faster than 64 x 128 on an H100 (bench/RESULTS.md, 2026-12-06 (r)).
+    "flash_bwd_sm90": {64: (128, 128, 12), 128: (64, 128, 12), 256: (64, 64, 12)},
     "flash_bwd": {32: (128, 128, 8), 64: (128, 128, 8), 96: (64, 128, 8), 128: (64, 128, 8),
                   160: (64, 64, 8), 192: (64, 64, 8), 224: (64, 64, 8), 256: (64, 64, 8)},
     # SIMT (float32 / float64): each row must fit both dtypes (double smem <= 163 KiB on sm_80, no spills)
@@ -275,13 +276,16 @@ def smem_bytes(cfg: KernelConfig) -> int:
     if cfg.kernel in ("flash_bwd_preprocess", "flash_bwd_postprocess"):
         return 0
     if cfg.kernel == "flash_bwd_sm90":
-        # Sm90BwdSmem: slack, K, V, 2 stages of Q and dO, 2 dS, LSE and D, sDqAcc (two deterministic), d = 64's 2
-        # sDqX, exp2's scale, mbarriers; split dims (d > 128): 2 P^T, no sDqAcc
+        # Sm90BwdSmem: slack, K, V, 2 stages of Q and dO, 2 dS, LSE and D, sDqAcc (two deterministic), a 64 x 64
+        # dQ tile's 2 sDqX; split dims (d > 128): 2 P^T, no sDqAcc. Then the small block (exp2's scale, mbarriers),
+        # in the slack (at most 1008 bytes) where it would not fit after the tiles
         stages, split_dims = 2, sm90_split_dims(d)
         dq_acc = 0 if split_dims else bm * d * 4 * sm90_dq_buffers(cfg)
         dq_exchange = 2 * 2 * 2 * 32 * 32 * 4 if bm * d == 64 * 64 else 0
-        return (1024 + (2 * bn * d + 2 * stages * bm * d + (4 if split_dims else 2) * bm * bn) * e
-                + 2 * stages * bm * 4 + dq_acc + dq_exchange + 8 + 8 * (1 + 4 * stages))
+        tiles = ((2 * bn * d + 2 * stages * bm * d + (4 if split_dims else 2) * bm * bn) * e
+                 + 2 * stages * bm * 4 + dq_acc + dq_exchange)
+        small = 8 + 8 * (1 + 4 * stages)
+        return 1024 + tiles + small if 1024 + tiles + small <= SMEM_LIMIT[90] else 1008 + tiles
     if cfg.kernel == "flash_bwd":
         return flash_bwd_layout(cfg)[0]
     if cfg.kernel == "flash_decode":  # Q tile; per warp decode_stages slots of K and V (kWarpKeys = bn / warps rows)

@@ -9,12 +9,13 @@
 //     stages (thread 0), and the pair's LSE (as exp2's offset) and D rows into the stage (warp 1).
 //   consumers (warpgroups 1 ..): each owns 64 of the keys. Per pair, with keys as the wgmma's M dimension:
 //     S^T = K Q^T and dP^T = V dO^T by wgmma from shared memory, P^T = exp2(S^T * scale_log2 - LSE * log2(e)),
-//     dV += P^T dO (P^T from registers), dS^T = P^T (dP^T - D), dK += dS^T Q (dS^T from registers);
-//     dS^T goes to shared memory as dS (queries x keys), and each consumer computes its share of
-//     dQ = dS K (a 64 x 64 tile) and writes it into the block's fp32 dQ tile in shared memory (sDqAcc). At
-//     d = 128 that share is its own tile over all the block's keys; at d = 64 (kDqOwnKeys) there is one tile,
-//     each consumer computes it over its own keys, and the two partials are summed through shared memory
-//     (sDqX), each consumer writing half of the rows.
+//     dV += P^T dO (P^T from registers), dS^T = P^T (dP^T - D), dK += dS^T Q (dS^T from registers), the steps
+//     to dS^T over two halves of 64 queries in turn where a consumer has 128 (kHalves: S^T and dP^T of all
+//     would leave too few registers beside dK and dV); dS^T goes to shared memory as dS (queries x keys), and
+//     each consumer computes its share of dQ = dS K (a 64 x 64 tile) and writes it into the block's fp32 dQ
+//     tile in shared memory (sDqAcc). That share is its own tile over all the block's keys, but for a 64 x 64 dQ
+//     tile (kDqOwnKeys): each consumer computes it over its own keys, and the two partials are summed through
+//     shared memory (sDqX), each consumer writing half of the rows.
 //   the dQ warp (producer warp 2): per pair, once the consumers have written sDqAcc, adds its rows into the fp32
 //     dQ accumulator in global memory by bulk reduces (the copy engine: no atomics from the consumers), and
 //     hands the buffer back as soon as the engine has read it.
@@ -42,8 +43,9 @@
 //   sK, sV [kBlockN rows]; kStages x sQ, kStages x sdO [kBlockM rows]; two sdS [kBlockN / 64 slabs][kBlockM]
 //   [64 keys] (one written while the other may still be read); kStages x LSE offsets and D [kBlockM floats];
 //   kDqBuffers x sDqAcc [kBlockM rows][dq_accum_row_stride <= kHeadDim floats]; d = 64: two sDqX (as sdS)
-//   [from consumer][warp % 2][32 floats][32 lanes]; kSplitDims: two sP^T (as sdS) after the sdS, no sDqAcc; exp2's
-//   scale (a float); mbarriers kv_full, q_full[kStages], do_full[kStages], q_empty[kStages], do_empty[kStages].
+//   [from consumer][warp % 2][32 floats][32 lanes]; kSplitDims: two sP^T (as sdS) after the sdS, no sDqAcc. Then
+//   the small block: exp2's scale (a float), mbarriers kv_full, q_full[kStages], do_full[kStages], q_empty[kStages],
+//   do_empty[kStages]; where it would not fit after the tiles, in the alignment slack before them (kSmallInSlack).
 //   config.smem_bytes mirrors it. kQuerySplit: rank 0's dK, dV partials, at the end, over sK, sV, sQ and sdO.
 //
 // Serves dense and varlen batches. Varlen arrays are one packed entry to TMA (as in flash_fwd_sm90.cu), so the
@@ -77,9 +79,15 @@ struct Sm90BwdSmem {  // byte offsets from the 1024-aligned base
     static constexpr bool kDqOwnKeys = kBlockM * kHeadDim == 64 * 64;
     static constexpr unsigned kDqAccBytes = kSplitDims ? 0 : kBlockM * kHeadDim * 4;  // one of kDqBuffers
     static constexpr unsigned kDqX = kDqAcc + kDqBuffers * kDqAccBytes;
-    static constexpr unsigned kScale = kDqX + (kDqOwnKeys ? 2 * 2 * 2 * 32 * 32 * 4 : 0);
-    static constexpr unsigned kBarriers = kScale + 8;
-    static constexpr unsigned kBytes = 1024 + kBarriers + 8 * (1 + 4 * kStages);
+    static constexpr unsigned kTiles = kDqX + (kDqOwnKeys ? 2 * 2 * 2 * 32 * 32 * 4 : 0);
+    // The small block: exp2's scale (8 bytes), then the mbarriers. After the tiles, but where the alignment slack,
+    // the tiles and it would pass sm_90's 227 KiB (deterministic d = 64 at 128 x 128, by 80 bytes): then in the
+    // slack before the base if it has room, else after the tiles. Dynamic shared memory is 16-byte aligned, so the
+    // slack is at most 1008 bytes, and with less than kSmall of it the small block after the tiles ends sooner.
+    static constexpr unsigned kSmall = 8 + 8 * (1 + 4 * kStages);
+    static constexpr bool kSmallInSlack = 1024 + kTiles + kSmall > kSmemSm90;
+    static_assert(2 * kSmall <= 1024, "the small block after the tiles where the slack is smaller than it");
+    static constexpr unsigned kBytes = kSmallInSlack ? 1008 + kTiles : 1024 + kTiles + kSmall;
 };
 
 // A warp's rows of a dQ tile into shared memory at `tile` as the fp32 accumulator holds them (rows of `width` =
@@ -135,7 +143,11 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
     static_assert(Smem::kDqOwnKeys == kDqOwnKeys, "Sm90BwdSmem's sDqX");
     constexpr int kQueries = kSplitDims ? kBlockM / 2 : kBlockM;  // a consumer's queries of S^T
     constexpr int kDims = kSplitDims ? kHeadDim / 2 : kHeadDim;   // a consumer's dims of dK, dV (and dQ)
-    constexpr int kNTilesQ = kQueries / 8;  // 8-query column groups of S^T
+    // d = 64 at 128 x 128: steps [4]-[8] run over two halves of 64 queries in turn, so that S^T and dP^T of one
+    // half (64 fp32 registers) live beside dK and dV; dS^T of all the queries is kept (wgmma A fragments)
+    constexpr int kQH = kQueries > 64 ? 64 : kQueries, kHalves = kQueries / kQH;
+    constexpr int kNTilesH = kQH / 8;  // 8-query column groups of a half's S^T
+    static_assert(kQueries % kQH == 0, "whole halves");
     constexpr int kNTilesD = kDims / 8;     // 8-dim column groups of dK, dV
     constexpr unsigned kSlabKV = kBlockN * 128, kSlabQ = kBlockM * 128;  // bytes of one 64-column slab
     constexpr bool kIsDropout = (kVariant & kDropout) != 0;
@@ -170,10 +182,15 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
     float* const sD = reinterpret_cast<float*>(base_ptr + Smem::kD);
     const unsigned sDqAcc = base + Smem::kDqAcc;
     float* const sDqX = reinterpret_cast<float*>(base_ptr + Smem::kDqX);
+    // The small block (Sm90BwdSmem::kSmall): after the tiles, or in the alignment slack before them
+    unsigned small = base + Smem::kTiles;
+    if constexpr (Smem::kSmallInSlack) {
+        if (base - smem_u32(smem) >= Smem::kSmall) small = base - Smem::kSmall;
+    }
     // exp2's scale, converted from the params' double once: in the loop ptxas rematerialized the conversion
     // (an fp64 compare and convert per pair, 5 % of the consumers' stall samples at d = 128)
-    float* const sScaleLog2 = reinterpret_cast<float*>(base_ptr + Smem::kScale);
-    const unsigned bars = base + Smem::kBarriers;
+    float* const sScaleLog2 = reinterpret_cast<float*>(base_ptr + static_cast<int>(small - base));
+    const unsigned bars = small + 8;
     const unsigned kv_full = bars;
     auto q_full = [&](int s) { return bars + 8u * (1 + s); };
     auto do_full = [&](int s) { return bars + 8u * (1 + kStages + s); };
@@ -378,133 +395,146 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
         const float scale_log2 = *sScaleLog2;
         const float inv_scale_log2 = kIsSoftcap ? 1.f / scale_log2 : 0.f;
 
-        // [4] S^T = K Q^T and dP^T = V dO^T (wgmma from shared memory)
-        // acc_s[ni][2h + e]: key key_row0 + g + 8h, query 8 ni + 2t + e (for_each_score_t's layout)
-        float acc_s[kNTilesQ][4], acc_dp[kNTilesQ][4];
-        mbarrier_wait(q_full(s), phase);
-        if (kIsVarlen && row_begin + kBlockM > seqlen_q) {
-            mbarrier_wait(do_full(s), phase);
-            zero_tails(sQ(s), sdO(s), kSlabQ, seqlen_q - row_begin, kBlockM);
-        }
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-            const unsigned slab = ks / 4, col_bytes = (ks % 4) * 32;
-            Wgmma<T, kQueries>::ss(acc_s, smem_desc(sK + slab * kSlabKV + wg_key0 * 128 + col_bytes, 16, 1024),
-                                   smem_desc(sQ(s) + slab * kSlabQ + q0 * 128 + col_bytes, 16, 1024), ks > 0);
-        }
-        wgmma_commit();
-        mbarrier_wait(do_full(s), phase);
-#pragma unroll
-        for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-            const unsigned slab = ks / 4, col_bytes = (ks % 4) * 32;
-            Wgmma<T, kQueries>::ss(acc_dp, smem_desc(sV + slab * kSlabKV + wg_key0 * 128 + col_bytes, 16, 1024),
-                                   smem_desc(sdO(s) + slab * kSlabQ + q0 * 128 + col_bytes, 16, 1024), ks > 0);
-        }
-        wgmma_commit();
-        const float* lse_off = sLse + s * kBlockM + q0;
-        const float* d_rows = sD + s * kBlockM + q0;
-        // a per-query row (LSE offsets, D) at acc element [ni][e]'s query: 8 ni + 2t + (e & 1), both of a
-        // thread's queries in one 8-byte load
-        auto at_query = [&](const float* rows, int ni, int e) {
-            const float2 two = *reinterpret_cast<const float2*>(rows + 8 * ni + 2 * t);
-            return (e & 1) ? two.y : two.x;
-        };
-        wgmma_wait<1>();  // S^T has completed; dP^T may still run
-        fence_operands(acc_s);
-
-        // [5] Score modifiers, mask, P^T = exp2(S^T * scale_log2 - LSE * log2(e)), dropout
-        if constexpr (Mod::kTransform) {
-            for_each_score_t<kNTilesQ>(key_begin + key_row0, row_begin + q0, lane, [&](float& x, int row, int col) {
-                float dc;
-                x = mod.apply(x, row, col, dc);
-            }, acc_s);
-        }
-        if (mask.template needs_mask<kBlockM, kBlockN>(m_block, n_block)) {
-            for_each_score_t<kNTilesQ>(key_begin + key_row0, row_begin + q0, lane, [&](float& x, int row, int col) {
-                if (!mask.visible(row, col)) x = neg_inf<float>();
-            }, acc_s);
-        }
-#pragma unroll
-        for (int ni = 0; ni < kNTilesQ; ++ni)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                acc_s[ni][e] = exp2f(acc_s[ni][e] * scale_log2 - at_query(lse_off, ni, e));
-        if constexpr (kIsDropout) {
-            // a dropped entry is kept as -P: dV reads max(P, 0) (its 1 / (1 - p) applied at the store), dS
-            // below tells kept from dropped by the sign
-            Dropout(p.fwd, batch, head).for_each_keep_t(acc_s, key_begin + key_row0, row_begin + q0, lane,
-                                                        [](float& x, bool kept) { if (!kept) x = -x; });
-        }
-
-        // [6] dV += P^T dO (wgmma, P^T from registers)
-        // kSplitDims: P^T into sP^T, its wgmma with dK's and dQ's in [9]
+        // [4]-[8] per half of the consumer's queries (one half but at d = 64 with 128 query rows)
+        // a_frag: dS^T of all the consumer's queries (kSplitDims: P^T first), wgmma A fragments
         unsigned a_frag[kQueries / 16][4];
-#pragma unroll
-        for (int kq = 0; kq < kQueries / 16; ++kq)
-            acc_to_a<T>(a_frag[kq], acc_s[2 * kq], acc_s[2 * kq + 1], kIsDropout);
-        const unsigned p_tile = base + Smem::kPs + (it & 1) * Smem::kDS, ds_tile = sdS + (it & 1) * Smem::kDS;
-        // kSplitDims: a_frag's 8 x 8 tiles into a keys x queries tile (sP^T, sdS^T) as they are: a_frag[kq][j] is
+        // kSplitDims: A fragments' 8 x 8 tiles into a keys x queries tile (sP^T, sdS^T) as they are: frag[kq][j] is
         // keys key_row0 + 8 (j & 1) + 0..7 by this consumer's queries 16 kq + 8 (j >> 1) + 0..7, a 16-byte chunk
         // of each key's row; lane l gives the address of tile l / 8's key row l % 8
-        auto store_keys_by_queries = [&](unsigned tile) {
+        auto store_keys_by_queries = [&](unsigned tile, const unsigned (&frag)[kQueries / 16][4]) {
             const int j = lane / 8, key = key_row0 + 8 * (j & 1) + lane % 8;
 #pragma unroll
             for (int kq = 0; kq < kQueries / 16; ++kq) {
                 const int chunk = q0 / 8 + 2 * kq + (j >> 1);
-                stmatrix_x4(tile + key * 128 + ((chunk ^ (key % 8)) * 16), a_frag[kq]);
+                stmatrix_x4(tile + key * 128 + ((chunk ^ (key % 8)) * 16), frag[kq]);
             }
         };
-        if constexpr (kSplitDims) {
-            store_keys_by_queries(p_tile);
-        } else {
+#pragma unroll
+        for (int half = 0; half < kHalves; ++half) {
+            const int qh = q0 + kQH * half;  // the half's first query of the tile
+            // [4] S^T = K Q^T and dP^T = V dO^T (wgmma from shared memory)
+            // acc_s[ni][2h + e]: key key_row0 + g + 8h, query qh + 8 ni + 2t + e (for_each_score_t's layout)
+            float acc_s[kNTilesH][4], acc_dp[kNTilesH][4];
+            if (half == 0) {
+                mbarrier_wait(q_full(s), phase);
+                if (kIsVarlen && row_begin + kBlockM > seqlen_q) {
+                    mbarrier_wait(do_full(s), phase);
+                    zero_tails(sQ(s), sdO(s), kSlabQ, seqlen_q - row_begin, kBlockM);
+                }
+            }
             wgmma_fence();
 #pragma unroll
-            for (int kq = 0; kq < kBlockM / 16; ++kq)
-                Wgmma<T, kHeadDim>::rs(acc_dv, a_frag[kq], smem_desc(sdO(s) + kq * 16 * 128, kSlabQ, 1024));
+            for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+                const unsigned slab = ks / 4, col_bytes = (ks % 4) * 32;
+                Wgmma<T, kQH>::ss(acc_s, smem_desc(sK + slab * kSlabKV + wg_key0 * 128 + col_bytes, 16, 1024),
+                                  smem_desc(sQ(s) + slab * kSlabQ + qh * 128 + col_bytes, 16, 1024), ks > 0);
+            }
             wgmma_commit();
-        }
-        wgmma_wait<kSplitDims ? 0 : 1>();  // dP^T has completed; dV may still run
-        fence_operands(acc_dp);
+            if (half == 0) mbarrier_wait(do_full(s), phase);
+#pragma unroll
+            for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+                const unsigned slab = ks / 4, col_bytes = (ks % 4) * 32;
+                Wgmma<T, kQH>::ss(acc_dp, smem_desc(sV + slab * kSlabKV + wg_key0 * 128 + col_bytes, 16, 1024),
+                                  smem_desc(sdO(s) + slab * kSlabQ + qh * 128 + col_bytes, 16, 1024), ks > 0);
+            }
+            wgmma_commit();
+            const float* lse_off = sLse + s * kBlockM + qh;
+            const float* d_rows = sD + s * kBlockM + qh;
+            // a per-query row (LSE offsets, D) at acc element [ni][e]'s query: 8 ni + 2t + (e & 1), both of a
+            // thread's queries in one 8-byte load
+            auto at_query = [&](const float* rows, int ni, int e) {
+                const float2 two = *reinterpret_cast<const float2*>(rows + 8 * ni + 2 * t);
+                return (e & 1) ? two.y : two.x;
+            };
+            wgmma_wait<1>();  // S^T has completed (and the last half's dV); dP^T may still run
+            fence_operands(acc_s);
 
-        // [7] dS^T = P^T (dP^T - D)
-        // D belongs to the query (column). Dropout: dL/dP is dP / (1 - p) where
-        // kept and 0 where dropped (there acc_s = -P, so dS = -P * D = acc_s * D). Softcap: times 1 - tanh^2.
+            // [5] Score modifiers, mask, P^T = exp2(S^T * scale_log2 - LSE * log2(e)), dropout
+            if constexpr (Mod::kTransform) {
+                for_each_score_t<kNTilesH>(key_begin + key_row0, row_begin + qh, lane, [&](float& x, int row, int col) {
+                    float dc;
+                    x = mod.apply(x, row, col, dc);
+                }, acc_s);
+            }
+            if (mask.template needs_mask<kBlockM, kBlockN>(m_block, n_block)) {
+                for_each_score_t<kNTilesH>(key_begin + key_row0, row_begin + qh, lane, [&](float& x, int row, int col) {
+                    if (!mask.visible(row, col)) x = neg_inf<float>();
+                }, acc_s);
+            }
 #pragma unroll
-        for (int ni = 0; ni < kNTilesQ; ++ni)
+            for (int ni = 0; ni < kNTilesH; ++ni)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float d = at_query(d_rows, ni, e);
-                float ds;
-                if constexpr (kIsDropout) {
-                    ds = acc_s[ni][e] >= 0.f ? acc_s[ni][e] * (acc_dp[ni][e] * static_cast<float>(p.fwd.dropout_scale) - d)
-                                             : acc_s[ni][e] * d;
-                } else {
-                    ds = acc_s[ni][e] * (acc_dp[ni][e] - d);
-                }
-                if constexpr (kIsSoftcap) {
-                    // the softcap's 1 - t^2 from P (held logit = (log2 P + LSE offset) / scale_log2): no tile of
-                    // derivatives kept in registers since [5]. P = 0 (masked, underflowed) gives dS = 0
-                    const float pv = fabsf(acc_s[ni][e]);
-                    const float x = (__log2f(pv) + at_query(lse_off, ni, e)) * inv_scale_log2;
-                    const float dc = mod.dcap_of(x, row_begin + q0 + 8 * ni + 2 * t + (e & 1),
-                                                key_begin + key_row0 + g + 8 * (e >> 1));
-                    ds = pv == 0.f ? 0.f : ds * dc;
-                }
-                acc_dp[ni][e] = ds;
+                for (int e = 0; e < 4; ++e)
+                    acc_s[ni][e] = exp2f(acc_s[ni][e] * scale_log2 - at_query(lse_off, ni, e));
+            if constexpr (kIsDropout) {
+                // a dropped entry is kept as -P: dV reads max(P, 0) (its 1 / (1 - p) applied at the store), dS
+                // below tells kept from dropped by the sign
+                Dropout(p.fwd, batch, head).for_each_keep_t(acc_s, key_begin + key_row0, row_begin + qh, lane,
+                                                            [](float& x, bool kept) { if (!kept) x = -x; });
             }
 
-        // [8] dK += dS^T Q (wgmma, dS^T from registers)
-        // Its wgmma is issued in [9], behind dQ's, so that it runs under dQ's stores
+            // [6] dV += P^T dO (wgmma, P^T from registers)
+            // kSplitDims: P^T into sP^T, its wgmma with dK's and dQ's in [9]
+            unsigned p_frag[kQH / 16][4];
 #pragma unroll
-        for (int kq = 0; kq < kQueries / 16; ++kq) acc_to_a<T>(a_frag[kq], acc_dp[2 * kq], acc_dp[2 * kq + 1]);
+            for (int kq = 0; kq < kQH / 16; ++kq)
+                acc_to_a<T>(p_frag[kq], acc_s[2 * kq], acc_s[2 * kq + 1], kIsDropout);
+            if constexpr (kSplitDims) {
+                static_assert(kHalves == 1, "P^T of all the consumer's queries in one half");
+                store_keys_by_queries(base + Smem::kPs + (it & 1) * Smem::kDS, p_frag);
+            } else {
+                wgmma_fence();
+#pragma unroll
+                for (int kq = 0; kq < kQH / 16; ++kq)
+                    Wgmma<T, kHeadDim>::rs(acc_dv, p_frag[kq],
+                                           smem_desc(sdO(s) + (qh + 16 * kq) * 128, kSlabQ, 1024));
+                wgmma_commit();
+            }
+            wgmma_wait<kSplitDims ? 0 : 1>();  // dP^T has completed; dV may still run
+            fence_operands(acc_dp);
+
+            // [7] dS^T = P^T (dP^T - D)
+            // D belongs to the query (column). Dropout: dL/dP is dP / (1 - p) where
+            // kept and 0 where dropped (there acc_s = -P, so dS = -P * D = acc_s * D). Softcap: times 1 - tanh^2.
+#pragma unroll
+            for (int ni = 0; ni < kNTilesH; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float d = at_query(d_rows, ni, e);
+                    float ds;
+                    if constexpr (kIsDropout) {
+                        ds = acc_s[ni][e] >= 0.f
+                                 ? acc_s[ni][e] * (acc_dp[ni][e] * static_cast<float>(p.fwd.dropout_scale) - d)
+                                 : acc_s[ni][e] * d;
+                    } else {
+                        ds = acc_s[ni][e] * (acc_dp[ni][e] - d);
+                    }
+                    if constexpr (kIsSoftcap) {
+                        // the softcap's 1 - t^2 from P (held logit = (log2 P + LSE offset) / scale_log2): no tile
+                        // of derivatives kept in registers since [5]. P = 0 (masked, underflowed) gives dS = 0
+                        const float pv = fabsf(acc_s[ni][e]);
+                        const float x = (__log2f(pv) + at_query(lse_off, ni, e)) * inv_scale_log2;
+                        const float dc = mod.dcap_of(x, row_begin + qh + 8 * ni + 2 * t + (e & 1),
+                                                    key_begin + key_row0 + g + 8 * (e >> 1));
+                        ds = pv == 0.f ? 0.f : ds * dc;
+                    }
+                    acc_dp[ni][e] = ds;
+                }
+
+            // [8] dK += dS^T Q (wgmma, dS^T from registers)
+            // Its wgmma is issued in [9], behind dQ's, so that it runs under dQ's stores
+#pragma unroll
+            for (int kq = 0; kq < kQH / 16; ++kq)
+                acc_to_a<T>(a_frag[kQH / 16 * half + kq], acc_dp[2 * kq], acc_dp[2 * kq + 1]);
+        }
 
         // [9] dS into shared memory; dQ = dS K (wgmma) into sDqAcc, which the dQ warp adds into dQ_accum
+        const unsigned p_tile = base + Smem::kPs + (it & 1) * Smem::kDS, ds_tile = sdS + (it & 1) * Smem::kDS;
         if constexpr (kSplitDims) {
             // dS^T into sdS^T; once both consumers' halves of P^T and dS^T are in, this consumer's dims of
             // dQ = dS K (A: sdS^T read transposed), dV += P^T dO and dK += dS^T Q, all from shared memory; once
             // both consumers' GEMMs have completed, dQ's share over the stage for the dQ warp (it hands the stage on)
-            store_keys_by_queries(ds_tile);
+            store_keys_by_queries(ds_tile, a_frag);
             fence_proxy_async();  // the stores, then the wgmma that reads them
             named_barrier_sync(kDsReady, 128 * kConsumers);
             float acc_dq[kNTilesD][4];

@@ -119,10 +119,11 @@ SM90_CASES = {
 # variants). The smallest tiles the kernel's roles allow: two consumers of 64 keys (block_n = 128, warps = 12),
 # block_m = 64; 384 threads, a few seconds per (query head, query block) pair. dQ's 64 x 64 tiles: at cfg head
 # dim 64 one in all (each consumer's partial over its own keys, summed through sDqX, each consumer writing half
-# the rows), at 128 a tile each, over all keys; at 256 (split dims) two consumers sharing 64 keys (block_n = 64,
-# warps = 12), each writing its half of dQ's columns over the pair's Q and dO stage, which the dQ warp adds and
-# gives back to the producer. O and LSE from the NumPy
-# backend; plain cases against cuflash.reference, those with variants against the NumPy backend.
+# the rows), at 128 a tile each, over all keys (and at 64 with block_m 128, config's tile, S^T .. dS^T in two
+# halves of 64 queries); at 256 (split dims) two consumers sharing 64 keys (block_n = 64, warps = 12), each
+# writing its half of dQ's columns over the pair's Q and dO stage, which the dQ warp adds and gives back to the
+# producer. O and LSE from the NumPy backend; plain cases against cuflash.reference, those with variants against
+# the NumPy backend.
 # "deterministic": True (not a backend variant: _sm90_backward takes it) sets DETERMINISTIC, the turns of the two
 # dQ warps' adds; "query_split": True likewise QUERY_SPLIT, each
 # key block's query blocks split over two blocks.
@@ -168,6 +169,21 @@ SM90_BWD_CASES = {
     "sm90_bwd_f16_varlen_query_split_softcap": (2, 200, 160, 1, 1, 64, True, "float16", (64, 64, 128, 12),
                                                 {"varlen": ([0, 70, 190], [0, 60, 150]), "softcap": 2.0,
                                                  "query_split": True}),
+    # d = 64 at block_m 128 (config's tile): each consumer's S^T .. dS^T over two halves of 64 queries, dQ a 64 x 64
+    # tile per consumer over all 128 keys. Tails (72 queries, 22 keys), GQA, rows 0 .. 49 seeing no key; key block 1
+    # visits query block 1 alone, whose first half sees none of its keys (P = 0)
+    "sm90_bwd_f32_d64_halves_causal_gqa": (1, 200, 150, 2, 1, 64, True, "float32", (64, 128, 128, 12), {}),
+    # the turns at 128 x 128 (CUDA: the small block in the alignment slack); 3 key blocks add into each dQ tile
+    "sm90_bwd_f32_d64_halves_deterministic": (1, 150, 300, 1, 1, 64, False, "float32", (64, 128, 128, 12),
+                                              {"deterministic": True}),
+    # every score modifier and dropout at the second half's queries (their rows, slopes and keep flags)
+    "sm90_bwd_f16_d64_halves_window_softcap_alibi_dropout": (1, 140, 200, 2, 1, 64, True, "float16",
+                                                             (64, 128, 128, 12),
+                                                             {"window": (70, -1), "softcap": 2.0, "alibi": (2,),
+                                                              "dropout_p": 0.25, "seed": 0x1357ACE, "offset": 3}),
+    # varlen and the split over a cluster: sequence 0's query block and last key block run into sequence 1
+    "sm90_bwd_f32_d64_halves_varlen_query_split": (2, 200, 260, 1, 1, 64, True, "float32", (64, 128, 128, 12),
+                                                   {"varlen": ([0, 70, 200], [0, 130, 260]), "query_split": True}),
     # d = 256, split dims: two consumers sharing 64 keys, each S^T and dP^T for half the queries, dK, dV and dQ
     # for half the dims. Tails (36 queries, 26 keys), GQA, rows 0 .. 9 seeing no key; key block 1 visits query
     # block 1 only

@@ -27,11 +27,11 @@ Roles, as in CUDA. Warpgroup 0 is the producer: thread 0 copies K and V once, th
 each (query head, query block) pair `it` into a ring of kStages = 2 stages, each tile waiting until the
 consumers have released the stage's previous use (q_empty, do_empty); warp 1 writes the pair's LSE offsets
 and D rows into the stage and arrives on q_full beside the Q tile. Warpgroup 1 + c is consumer c, owning keys
-64 c .. 64 c + 63: per pair S^T, dP^T, P^T, dV, dS^T, dK, its dS into sdS, then its 64 x 64 tile of dQ = dS K
-into the block's dQ tile in shared memory, sDqAcc. kDqOwnKeys (d = 64, block_m = 64, two consumers): the one
-tile, each consumer's over its own keys; consumer c writes rows 32 c .. 32 c + 31 (those of its warps 2 c,
-2 c + 1), its partial plus the other consumer's handed on through sDqX, and hands its other rows' partial on
-likewise. Producer warp 2, the dQ warp, adds sDqAcc's rows into dq_accum (CUDA: bulk reduces by the copy
+64 c .. 64 c + 63: per pair S^T, dP^T, P^T, dV and dS^T (with block_m 128, over two halves of 64 queries in turn:
+CUDA's kHalves), dK, its dS into sdS, then its 64 x 64 tile of dQ = dS K into the block's dQ tile in shared
+memory, sDqAcc. kDqOwnKeys (d = 64, block_m = 64, two consumers): the one tile, each consumer's over its own
+keys; consumer c writes rows 32 c .. 32 c + 31 (those of its warps 2 c, 2 c + 1), its partial plus the other
+consumer's handed on through sDqX, and hands its other rows' partial on likewise. Producer warp 2, the dQ warp, adds sDqAcc's rows into dq_accum (CUDA: bulk reduces by the copy
 engine), so that the consumers issue no atomics.
 DETERMINISTIC: key blocks add into each dQ tile first to last while each visits its query blocks last to
 first (flash_bwd.py's backward_pair and dq_turn, as backward.cuh). sDqAcc has two buffers (by it & 1), and
@@ -159,16 +159,20 @@ def make_flash_bwd_sm90(cfg):
         raise ValueError("flash_bwd_sm90: QUERY_SPLIT does not take split dims (rank 0's partials are whole rows of "
                          "dK, dV)")
     QUERIES = BLOCK_M // 2 if SPLIT_DIMS else BLOCK_M  # kQueries: a consumer's queries of S^T
+    # kQH, kHalves: steps [4]-[8] over halves of 64 queries in turn where a consumer has 128 (d = 64 at 128 x 128)
+    QH = min(QUERIES, 64)
+    HALVES = QUERIES // QH
     DIMS = HEAD_DIM // 2 if SPLIT_DIMS else HEAD_DIM  # kDims: a consumer's dims of dK, dV (and dQ)
     STORE_ROWS = BLOCK_N // 2 if SPLIT_DIMS else WG_KEYS  # kStoreRows: the dK, dV rows a consumer stores
     DQ_WARP = 2  # the producer warpgroup's warp that adds sDqAcc buffer 0 into dq_accum (DQ_WARP + b buffer b)
     DQ_BUFFERS = 2 if IS_DETERMINISTIC else 1  # kDqBuffers: sDqAcc's
     SIMULATED = bool(numba_config.ENABLE_CUDASIM)  # blocks one after another: a turn never comes by waiting
     ACC = acc_type(cfg.dtype)
-    # A consumer thread's share: key wg_key0 + tid // TPR, queries (S^T) q0 + lane + j * TPR, dims (dK, dV)
-    # d0 + lane + j * TPR; of the dQ tile, query row tid // TPR, dims lane + j * TPR (SPLIT_DIMS: of all 64
-    # queries, d0 + lane + j * TPR)
-    TPR, _, _, S_CPT = thread_layout(WG_KEYS, QUERIES, WARPGROUP)
+    # A consumer thread's share: key wg_key0 + tid // TPR, queries (S^T) qh + lane + j * TPR of a half from qh,
+    # dims (dK, dV) d0 + lane + j * TPR; of the dQ tile, query row tid // TPR, dims lane + j * TPR (SPLIT_DIMS: of
+    # all 64 queries, d0 + lane + j * TPR)
+    TPR, _, _, S_CPT = thread_layout(WG_KEYS, QH, WARPGROUP)
+    Q_CPT = QUERIES // TPR  # of all the consumer's queries (sA's columns)
     D_CPT = thread_layout(WG_KEYS, DIMS, WARPGROUP)[3]
     DQ_CPT = thread_layout(BLOCK_M, DIMS, WARPGROUP)[3] if SPLIT_DIMS else thread_layout(DQ_TILE, DQ_TILE, WARPGROUP)[3]
     # kDqOwnKeys: consumer warp w holds dQ rows 16 w .. 16 w + 15 (dq_r = tid // TPR, TPR = 2), as CUDA's does;
@@ -313,58 +317,61 @@ def make_flash_bwd_sm90(cfg):
             b[first + e // HEAD_DIM, e % HEAD_DIM] = 0
 
     @cuda.jit(device=True)
-    def issue_s_dp(it, acc_s, acc_dp, bars, sK, sV, sQ, sdO, key, q0, lane):
+    def issue_s_dp(it, half, acc_s, acc_dp, bars, sK, sV, sQ, sdO, key, qh, lane):
         # [4] S^T = K Q^T and dP^T = V dO^T (wgmma from shared memory)
-        # This consumer's queries from q0 (SPLIT_DIMS: half of them, wgmma N = 32)
+        # This half's queries from qh (SPLIT_DIMS: half of the block's, wgmma N = 32); the first half waits for the
+        # stage's tiles
         stage = it % STAGES
         phase = it // STAGES
-        mbarrier_wait(bars, q_full(stage), phase, Q_FULL_COUNT)
+        if half == 0:
+            mbarrier_wait(bars, q_full(stage), phase, Q_FULL_COUNT)
         for j in range(S_CPT):
-            c = q0 + lane + j * TPR
+            c = qh + lane + j * TPR
             x = ACC(0)
             for d in range(HEAD_DIM):  # CUDA: wgmma (K, Q from shared memory; fp32 in registers)
                 x += sK[key, d] * sQ[stage, c, d]
             acc_s[j] = x
-        mbarrier_wait(bars, do_full(stage), phase, FULL_COUNT)
+        if half == 0:
+            mbarrier_wait(bars, do_full(stage), phase, FULL_COUNT)
         for j in range(S_CPT):
-            c = q0 + lane + j * TPR
+            c = qh + lane + j * TPR
             x = ACC(0)
             for d in range(HEAD_DIM):  # CUDA: wgmma (V, dO from shared memory)
                 x += sV[key, d] * sdO[stage, c, d]
             acc_dp[j] = x
 
     @cuda.jit(device=True)
-    def p_of(it, acc_s, sLse, col, q0, lane, row_begin, m_block, n_block, seqlen_q, seqlen_k, window_left,
+    def p_of(it, acc_s, sLse, col, qh, lane, row_begin, m_block, n_block, seqlen_q, seqlen_k, window_left,
              window_right, tanh_in, bias, score_log2, seed_lo, seed_hi, bh, offset, dropout_threshold):
         # [5] Score modifiers, mask, P^T = exp2(S^T * scale_log2 - LSE * log2(e)), dropout
-        # This thread's scores: key col, queries row_begin + q0 + lane + j * TPR
+        # This thread's scores: key col, queries row_begin + qh + lane + j * TPR
         shift = seqlen_k - seqlen_q
         if TRANSFORM:
             for j in range(S_CPT):
                 acc_s[j] = score_mod(IS_SOFTCAP, IS_ALIBI, tanh_in, bias, shift, acc_s[j],
-                                     row_begin + q0 + lane + j * TPR, col)[0]
+                                     row_begin + qh + lane + j * TPR, col)[0]
         if needs_mask(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, m_block, n_block):
             for j in range(S_CPT):
                 if not visible(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k,
-                               row_begin + q0 + lane + j * TPR, col):
+                               row_begin + qh + lane + j * TPR, col):
                     acc_s[j] = -math.inf
         stage = it % STAGES
         for j in range(S_CPT):
-            acc_s[j] = math.exp2(acc_s[j] * score_log2 - sLse[stage, q0 + lane + j * TPR])
+            acc_s[j] = math.exp2(acc_s[j] * score_log2 - sLse[stage, qh + lane + j * TPR])
         if IS_DROPOUT:
             # a dropped entry is kept as -P: dV reads max(P, 0) (its 1 / (1 - p) applied at the store), dS
             # tells kept from dropped by the sign
             for j in range(S_CPT):
-                if not keep(seed_lo, seed_hi, bh, offset, dropout_threshold, row_begin + q0 + lane + j * TPR, col):
+                if not keep(seed_lo, seed_hi, bh, offset, dropout_threshold, row_begin + qh + lane + j * TPR, col):
                     acc_s[j] = -acc_s[j]
 
     @cuda.jit(device=True)
-    def to_a_frag(acc, sA, which, key, lane, relu):
-        # CUDA's acc_to_a: an accumulator as the next wgmma's A operand (a_frag, this thread's registers;
-        # relu: the dropped -P as 0)
+    def to_a_frag(acc, sA, which, key, qh, lane, relu):
+        # CUDA's acc_to_a: a half's accumulator, queries from qh, as a wgmma's A operand (p_frag, a_frag: this
+        # thread's registers; relu: the dropped -P as 0)
         for j in range(S_CPT):
             x = acc[j]
-            sA[which, key, lane + j * TPR] = max(x, ACC(0)) if relu else x
+            sA[which, key, qh + lane + j * TPR] = max(x, ACC(0)) if relu else x
 
     @cuda.jit(device=True)
     def store_keys_by_queries(tile, it, acc, key, q0, lane, relu):
@@ -376,20 +383,20 @@ def make_flash_bwd_sm90(cfg):
             tile[it & 1, key, q0 + lane + j * TPR] = max(x, ACC(0)) if relu else x
 
     @cuda.jit(device=True)
-    def issue_dv(it, acc_dv, a_src, a_tile, sdO, key, d0, lane):
+    def issue_dv(it, acc_dv, a_src, a_tile, sdO, key, d0, lane, r0, rows):
         # [6] dV += P^T dO (wgmma, P^T from registers)
-        # P^T: a_src[a_tile], sA[0] (CUDA: registers), SPLIT_DIMS sPt[it & 1] (CUDA: from shared memory too,
-        # issued in [9]), every query of it; this consumer's dims from d0
+        # P^T: a_src[a_tile], sA[0] (CUDA: p_frag, registers), SPLIT_DIMS sPt[it & 1] (CUDA: from shared memory
+        # too, issued in [9]), its queries r0 .. r0 + rows - 1; this consumer's dims from d0
         stage = it % STAGES
         for j in range(D_CPT):
             c = d0 + lane + j * TPR
             a = acc_dv[j]
-            for r in range(BLOCK_M):  # CUDA: wgmma (P^T from registers, dO from shared memory)
+            for r in range(r0, r0 + rows):  # CUDA: wgmma (P^T from registers, dO from shared memory)
                 a += a_src[a_tile, key, r] * sdO[stage, r, c]
             acc_dv[j] = a
 
     @cuda.jit(device=True)
-    def ds_of(it, acc_s, acc_dp, sD, sLse, col, q0, lane, row_begin, seqlen_q, seqlen_k, bias, score_log2,
+    def ds_of(it, acc_s, acc_dp, sD, sLse, col, qh, lane, row_begin, seqlen_q, seqlen_k, bias, score_log2,
               dropout_scale):
         # [7] dS^T = P^T (dP^T - D)
         # D belongs to the query (column). Dropout: dL/dP is dP / (1 - p) where kept and 0 where dropped
@@ -397,7 +404,7 @@ def make_flash_bwd_sm90(cfg):
         stage = it % STAGES
         shift = seqlen_k - seqlen_q
         for j in range(S_CPT):
-            d = sD[stage, q0 + lane + j * TPR]
+            d = sD[stage, qh + lane + j * TPR]
             if IS_DROPOUT:
                 if acc_s[j] >= 0:
                     ds = acc_s[j] * (acc_dp[j] * dropout_scale - d)
@@ -412,8 +419,8 @@ def make_flash_bwd_sm90(cfg):
                 if pv == 0:
                     ds = ACC(0)
                 else:
-                    x = (math.log2(pv) + sLse[stage, q0 + lane + j * TPR]) / score_log2
-                    ds *= dcap_of(IS_ALIBI, bias, shift, x, row_begin + q0 + lane + j * TPR, col)
+                    x = (math.log2(pv) + sLse[stage, qh + lane + j * TPR]) / score_log2
+                    ds *= dcap_of(IS_ALIBI, bias, shift, x, row_begin + qh + lane + j * TPR, col)
             acc_dp[j] = ds
 
     @cuda.jit(device=True)
@@ -430,12 +437,13 @@ def make_flash_bwd_sm90(cfg):
             acc_dk[j] = a
 
     @cuda.jit(device=True)
-    def store_ds(it, acc_dp, sdS, key, lane):
+    def store_ds(it, sA, sdS, key, lane):
         # [9] dS into shared memory; dQ = dS K (wgmma) into sDqAcc, which the dQ warp adds into dQ_accum
-        # dS (queries x keys) into sdS, this consumer's keys (CUDA: transposed 16-bit stores, swizzled)
+        # dS (queries x keys) into sdS, this consumer's keys, all its queries' dS^T from sA[1] (CUDA: a_frag's,
+        # by transposed 16-bit stores, swizzled)
         ds_tile = it & 1  # two sdS: one written while the other may still be read
-        for j in range(S_CPT):
-            sdS[ds_tile, lane + j * TPR, key] = acc_dp[j]
+        for j in range(Q_CPT):
+            sdS[ds_tile, lane + j * TPR, key] = sA[1, key, lane + j * TPR]
 
     @cuda.jit(device=True)
     def issue_dq(it, acc_dq, sdS, sK, dq_row0, dq_col0, dq_key0, row, lane):
@@ -602,33 +610,35 @@ def make_flash_bwd_sm90(cfg):
             slope = alibi_slopes[batch * alibi_batch_stride + head] if IS_ALIBI else ACC(0)
             _, tanh_in, bias, score_log2 = score_mod_init(IS_SOFTCAP, softmax_scale, softcap, slope, scale_log2,
                                                           ACC(LOG2E))
-            if consumer >= 0:
-                issue_s_dp(it, acc_s, acc_dp, bars, sK, sV, sQ, sdO, key, q0, lane)
-                p_of(it, acc_s, sLse, key_begin + key, q0, lane, row_begin, m_block, n_block, seqlen_q, seqlen_k,
-                     window_left, window_right, tanh_in, bias, score_log2, seed_lo, seed_hi,
-                     uint64(batch * nheads + head), offset, dropout_threshold)
-                if SPLIT_DIMS:
-                    store_keys_by_queries(sPt, it, acc_s, key, q0, lane, IS_DROPOUT)  # dV's wgmma in [9]
-                else:
-                    to_a_frag(acc_s, sA, 0, key, lane, IS_DROPOUT)
-            cuda.syncthreads()  # every thread's P^T is in sA (CUDA: none, it stays in registers)
-            if consumer >= 0:
-                if not SPLIT_DIMS:
-                    issue_dv(it, acc_dv, sA, 0, sdO, key, d0, lane)
-                ds_of(it, acc_s, acc_dp, sD, sLse, key_begin + key, q0, lane, row_begin, seqlen_q, seqlen_k, bias,
-                      score_log2, dropout_scale)
-                if SPLIT_DIMS:
-                    store_keys_by_queries(sdS, it, acc_dp, key, q0, lane, False)
-                else:
-                    to_a_frag(acc_dp, sA, 1, key, lane, False)
-            # and its dS^T (SPLIT_DIMS: CUDA's fence_proxy_async and named barrier kDsReady, both consumers' halves
-            # of P^T and dS^T are in)
-            cuda.syncthreads()
+            for half in range(HALVES):  # [4]-[8], the half's queries from qh
+                qh = q0 + QH * half
+                if consumer >= 0:
+                    issue_s_dp(it, half, acc_s, acc_dp, bars, sK, sV, sQ, sdO, key, qh, lane)
+                    p_of(it, acc_s, sLse, key_begin + key, qh, lane, row_begin, m_block, n_block, seqlen_q, seqlen_k,
+                         window_left, window_right, tanh_in, bias, score_log2, seed_lo, seed_hi,
+                         uint64(batch * nheads + head), offset, dropout_threshold)
+                    if SPLIT_DIMS:
+                        store_keys_by_queries(sPt, it, acc_s, key, q0, lane, IS_DROPOUT)  # dV's wgmma in [9]
+                    else:
+                        to_a_frag(acc_s, sA, 0, key, qh, lane, IS_DROPOUT)
+                cuda.syncthreads()  # every thread's P^T is in sA (CUDA: none, it stays in registers)
+                if consumer >= 0:
+                    if not SPLIT_DIMS:
+                        issue_dv(it, acc_dv, sA, 0, sdO, key, d0, lane, qh, QH)
+                    ds_of(it, acc_s, acc_dp, sD, sLse, key_begin + key, qh, lane, row_begin, seqlen_q, seqlen_k,
+                          bias, score_log2, dropout_scale)
+                    if SPLIT_DIMS:
+                        store_keys_by_queries(sdS, it, acc_dp, key, q0, lane, False)
+                    else:
+                        to_a_frag(acc_dp, sA, 1, key, qh, lane, False)
+                # and its dS^T (SPLIT_DIMS: CUDA's fence_proxy_async and named barrier kDsReady, both consumers'
+                # halves of P^T and dS^T are in)
+                cuda.syncthreads()
             if SPLIT_DIMS:
                 # This consumer's dims of dQ = dS K, dV += P^T dO and dK += dS^T Q, all from shared memory
                 if consumer >= 0:
                     issue_dq(it, acc_dq, sdS, sK, 0, d0, 0, dq_r, lane)
-                    issue_dv(it, acc_dv, sPt, it & 1, sdO, key, d0, lane)
+                    issue_dv(it, acc_dv, sPt, it & 1, sdO, key, d0, lane, 0, BLOCK_M)
                     issue_dk(it, acc_dk, sdS, it & 1, sQ, key, d0, lane)
                 # CUDA: wgmma_wait<0>, then named barrier kDsReady: no wgmma reads the stage any more, and its
                 # share of the dQ tile goes over it (rows 0-31 over sQ, 32-63 over sdO)
@@ -643,7 +653,7 @@ def make_flash_bwd_sm90(cfg):
             else:
                 if consumer >= 0:
                     issue_dk(it, acc_dk, sA, 1, sQ, key, d0, lane)
-                    store_ds(it, acc_dp, sdS, key, lane)
+                    store_ds(it, sA, sdS, key, lane)
                 # CUDA: fence_proxy_async, then named barrier kStore + consumer (kDqOwnKeys: this consumer's keys
                 # are in) or kDsReady (every consumer's)
                 cuda.syncthreads()
