@@ -396,7 +396,7 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
         const float inv_scale_log2 = kIsSoftcap ? 1.f / scale_log2 : 0.f;
 
         // [4]-[8] per half of the consumer's queries (one half but at d = 64 with 128 query rows)
-        // a_frag: dS^T of all the consumer's queries (kSplitDims: P^T first), wgmma A fragments
+        // a_frag: wgmma A fragments of the consumer's queries, each half's P^T, then its dS^T
         unsigned a_frag[kQueries / 16][4];
         // kSplitDims: A fragments' 8 x 8 tiles into a keys x queries tile (sP^T, sdS^T) as they are: frag[kq][j] is
         // keys key_row0 + 8 (j & 1) + 0..7 by this consumer's queries 16 kq + 8 (j >> 1) + 0..7, a 16-byte chunk
@@ -475,18 +475,19 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
 
             // [6] dV += P^T dO (wgmma, P^T from registers)
             // kSplitDims: P^T into sP^T, its wgmma with dK's and dQ's in [9]
-            unsigned p_frag[kQH / 16][4];
+            // P^T into the half's slots of a_frag, from kf (its dS^T takes them in [8])
+            const int kf = kQH / 16 * half;
 #pragma unroll
             for (int kq = 0; kq < kQH / 16; ++kq)
-                acc_to_a<T>(p_frag[kq], acc_s[2 * kq], acc_s[2 * kq + 1], kIsDropout);
+                acc_to_a<T>(a_frag[kf + kq], acc_s[2 * kq], acc_s[2 * kq + 1], kIsDropout);
             if constexpr (kSplitDims) {
                 static_assert(kHalves == 1, "P^T of all the consumer's queries in one half");
-                store_keys_by_queries(base + Smem::kPs + (it & 1) * Smem::kDS, p_frag);
+                store_keys_by_queries(base + Smem::kPs + (it & 1) * Smem::kDS, a_frag);
             } else {
                 wgmma_fence();
 #pragma unroll
                 for (int kq = 0; kq < kQH / 16; ++kq)
-                    Wgmma<T, kHeadDim>::rs(acc_dv, p_frag[kq],
+                    Wgmma<T, kHeadDim>::rs(acc_dv, a_frag[kf + kq],
                                            smem_desc(sdO(s) + (qh + 16 * kq) * 128, kSlabQ, 1024));
                 wgmma_commit();
             }
@@ -524,8 +525,7 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
             // [8] dK += dS^T Q (wgmma, dS^T from registers)
             // Its wgmma is issued in [9], behind dQ's, so that it runs under dQ's stores
 #pragma unroll
-            for (int kq = 0; kq < kQH / 16; ++kq)
-                acc_to_a<T>(a_frag[kQH / 16 * half + kq], acc_dp[2 * kq], acc_dp[2 * kq + 1]);
+            for (int kq = 0; kq < kQH / 16; ++kq) acc_to_a<T>(a_frag[kf + kq], acc_dp[2 * kq], acc_dp[2 * kq + 1]);
         }
 
         // [9] dS into shared memory; dQ = dS K (wgmma) into sDqAcc, which the dQ warp adds into dQ_accum
