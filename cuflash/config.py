@@ -196,8 +196,9 @@ _TILES: dict[str, dict[int, tuple[int, int, int]]] = {
     "flash_fwd_sm90": {64: (128, 128, 12), 128: (128, 128, 12), 256: (128, 64, 12)},
     # Hopper backward: a producer and one consumer per 64 keys; dQ in 64 x 64 tiles, one per consumer or one
     # in all (block_m / 64 * head_dim / 64 of them). Head dims up to 128: dK and dV of 64 keys x the head dim
-    # live in registers. d = 64 at 128 x 128 (FlashAttention-3's tile), a consumer's queries in two halves:
-    # 1.14-1.15x faster than 64 x 128 on an H100 (bench/RESULTS.md, 2026-12-06 (r)).
+    # live in registers. d = 64 at 128 x 128 (FlashAttention-3's tile), a consumer's queries in two halves, for
+    # every variant: 1.17-1.22x faster than 64 x 128 on an H200, deterministic 1.15-1.17x, the variants 1.07-1.17x
+    # (bench/RESULTS.md, 2026-12-06 (t)).
     "flash_bwd_sm90": {64: (128, 128, 12), 128: (64, 128, 12), 256: (64, 64, 12)},
     "flash_bwd": {32: (128, 128, 8), 64: (128, 128, 8), 96: (64, 128, 8), 128: (64, 128, 8),
                   160: (64, 64, 8), 192: (64, 64, 8), 224: (64, 64, 8), 256: (64, 64, 8)},
