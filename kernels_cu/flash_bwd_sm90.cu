@@ -42,7 +42,7 @@
 // Shared memory (sm90.cuh: 128-byte swizzle, [head_dim / 64 slabs][rows][64], 1024-byte aligned), Sm90BwdSmem:
 //   sK, sV [kBlockN rows]; kStages x sQ, kStages x sdO [kBlockM rows]; two sdS [kBlockN / 64 slabs][kBlockM]
 //   [64 keys] (one written while the other may still be read); kStages x LSE offsets and D [kBlockM floats];
-//   kDqBuffers x sDqAcc [kBlockM rows][dq_accum_row_stride <= kHeadDim floats]; d = 64: two sDqX (as sdS)
+//   kDqBuffers x sDqAcc [kBlockM rows][dq_accum_row_stride <= kHeadDim floats]; kDqOwnKeys: two sDqX (as sdS)
 //   [from consumer][warp % 2][32 floats][32 lanes]; kSplitDims: two sP^T (as sdS) after the sdS, no sDqAcc. Then
 //   the small block: exp2's scale (a float), mbarriers kv_full, q_full[kStages], do_full[kStages], q_empty[kStages],
 //   do_empty[kStages]; where it would not fit after the tiles, in the alignment slack before them (kSmallInSlack).
@@ -75,7 +75,8 @@ struct Sm90BwdSmem {  // byte offsets from the 1024-aligned base
     // sDqAcc holds the tile as the accumulator does (rows of dq_accum_row_stride floats, swizzled: no bank
     // conflicts): one bulk reduce adds it (per-row reduces, or padded rows, cost more in the copy engine)
     static constexpr unsigned kDqAcc = kD + kStages * kBlockM * 4;
-    // d = 64 (kDqOwnKeys): 2 buffers x 2 consumers x 2 warps x 32 lanes x 32 floats of handed-on dQ partials
+    // one 64 x 64 dQ tile in all (kDqOwnKeys: d = 64 at 64 x 128, no config now): 2 buffers x 2 consumers x 2 warps x
+    // 32 lanes x 32 floats of handed-on dQ partials
     static constexpr bool kDqOwnKeys = kBlockM * kHeadDim == 64 * 64;
     static constexpr unsigned kDqAccBytes = kSplitDims ? 0 : kBlockM * kHeadDim * 4;  // one of kDqBuffers
     static constexpr unsigned kDqX = kDqAcc + kDqBuffers * kDqAccBytes;
