@@ -170,8 +170,8 @@ SM90_BWD_CASES = {
                                                 {"varlen": ([0, 70, 190], [0, 60, 150]), "softcap": 2.0,
                                                  "query_split": True}),
     # d = 64 at block_m 128 (config's tile): each consumer's S^T .. dS^T over two halves of 64 queries, dQ a 64 x 64
-    # tile per consumer over all 128 keys. Tails (72 queries, 22 keys), GQA, rows 0 .. 49 seeing no key; key block 1
-    # visits query block 1 alone, whose first half sees none of its keys (P = 0)
+    # tile per consumer over all 128 keys. Tails (72 queries, 22 keys), GQA, rows 0 .. 49 seeing no key (and query
+    # block 0's first half none of consumer 1's keys); key block 1 visits query block 1 alone
     "sm90_bwd_f32_d64_halves_causal_gqa": (1, 200, 150, 2, 1, 64, True, "float32", (64, 128, 128, 12), {}),
     # the turns at 128 x 128 (CUDA: the small block in the alignment slack); 3 key blocks add into each dQ tile
     "sm90_bwd_f32_d64_halves_deterministic": (1, 150, 300, 1, 1, 64, False, "float32", (64, 128, 128, 12),

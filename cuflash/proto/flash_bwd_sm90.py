@@ -29,10 +29,11 @@ consumers have released the stage's previous use (q_empty, do_empty); warp 1 wri
 and D rows into the stage and arrives on q_full beside the Q tile. Warpgroup 1 + c is consumer c, owning keys
 64 c .. 64 c + 63: per pair S^T, dP^T, P^T, dV and dS^T (with block_m 128, over two halves of 64 queries in turn:
 CUDA's kHalves), dK, its dS into sdS, then its 64 x 64 tile of dQ = dS K into the block's dQ tile in shared
-memory, sDqAcc. kDqOwnKeys (d = 64, block_m = 64, two consumers): the one tile, each consumer's over its own
-keys; consumer c writes rows 32 c .. 32 c + 31 (those of its warps 2 c, 2 c + 1), its partial plus the other
-consumer's handed on through sDqX, and hands its other rows' partial on likewise. Producer warp 2, the dQ warp, adds sDqAcc's rows into dq_accum (CUDA: bulk reduces by the copy
-engine), so that the consumers issue no atomics.
+memory, sDqAcc. kDqOwnKeys (d = 64, block_m = 64, two consumers; no config takes it now): the one tile, each
+consumer's over its own keys; consumer c writes rows 32 c .. 32 c + 31 (those of its warps 2 c, 2 c + 1), its
+partial plus the other consumer's handed on through sDqX, and hands its other rows' partial on likewise. Producer
+warp 2, the dQ warp, adds sDqAcc's rows into dq_accum (CUDA: bulk reduces by the copy engine), so that the
+consumers issue no atomics.
 DETERMINISTIC: key blocks add into each dQ tile first to last while each visits its query blocks last to
 first (flash_bwd.py's backward_pair and dq_turn, as backward.cuh). sDqAcc has two buffers (by it & 1), and
 producer warp 2 + (it & 1) adds pair it's: it waits for the tile's turn, adds, and hands the tile on once its
@@ -367,8 +368,8 @@ def make_flash_bwd_sm90(cfg):
 
     @cuda.jit(device=True)
     def to_a_frag(acc, sA, which, key, qh, lane, relu):
-        # CUDA's acc_to_a: a half's accumulator, queries from qh, as a wgmma's A operand (p_frag, a_frag: this
-        # thread's registers; relu: the dropped -P as 0)
+        # CUDA's acc_to_a: a half's accumulator, queries from qh, as a wgmma's A operand (the half's slots of
+        # a_frag, this thread's registers: P^T, then dS^T; relu: the dropped -P as 0)
         for j in range(S_CPT):
             x = acc[j]
             sA[which, key, qh + lane + j * TPR] = max(x, ACC(0)) if relu else x
@@ -385,7 +386,7 @@ def make_flash_bwd_sm90(cfg):
     @cuda.jit(device=True)
     def issue_dv(it, acc_dv, a_src, a_tile, sdO, key, d0, lane, r0, rows):
         # [6] dV += P^T dO (wgmma, P^T from registers)
-        # P^T: a_src[a_tile], sA[0] (CUDA: p_frag, registers), SPLIT_DIMS sPt[it & 1] (CUDA: from shared memory
+        # P^T: a_src[a_tile], sA[0] (CUDA: a_frag, registers), SPLIT_DIMS sPt[it & 1] (CUDA: from shared memory
         # too, issued in [9]), its queries r0 .. r0 + rows - 1; this consumer's dims from d0
         stage = it % STAGES
         for j in range(D_CPT):
