@@ -399,15 +399,15 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
         // [4]-[8] per half of the consumer's queries (one half but at d = 64 with 128 query rows)
         // a_frag: wgmma A fragments of the consumer's queries, each half's P^T, then its dS^T
         unsigned a_frag[kQueries / 16][4];
-        // kSplitDims: A fragments' 8 x 8 tiles into a keys x queries tile (sP^T, sdS^T) as they are: frag[kq][j] is
+        // kSplitDims: a_frag's 8 x 8 tiles into a keys x queries tile (sP^T, sdS^T) as they are: a_frag[kq][j] is
         // keys key_row0 + 8 (j & 1) + 0..7 by this consumer's queries 16 kq + 8 (j >> 1) + 0..7, a 16-byte chunk
         // of each key's row; lane l gives the address of tile l / 8's key row l % 8
-        auto store_keys_by_queries = [&](unsigned tile, const unsigned (&frag)[kQueries / 16][4]) {
+        auto store_keys_by_queries = [&](unsigned tile) {
             const int j = lane / 8, key = key_row0 + 8 * (j & 1) + lane % 8;
 #pragma unroll
             for (int kq = 0; kq < kQueries / 16; ++kq) {
                 const int chunk = q0 / 8 + 2 * kq + (j >> 1);
-                stmatrix_x4(tile + key * 128 + ((chunk ^ (key % 8)) * 16), frag[kq]);
+                stmatrix_x4(tile + key * 128 + ((chunk ^ (key % 8)) * 16), a_frag[kq]);
             }
         };
 #pragma unroll
@@ -483,7 +483,7 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
                 acc_to_a<T>(a_frag[kf + kq], acc_s[2 * kq], acc_s[2 * kq + 1], kIsDropout);
             if constexpr (kSplitDims) {
                 static_assert(kHalves == 1, "P^T of all the consumer's queries in one half");
-                store_keys_by_queries(base + Smem::kPs + (it & 1) * Smem::kDS, a_frag);
+                store_keys_by_queries(base + Smem::kPs + (it & 1) * Smem::kDS);
             } else {
                 wgmma_fence();
 #pragma unroll
@@ -535,7 +535,7 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
             // dS^T into sdS^T; once both consumers' halves of P^T and dS^T are in, this consumer's dims of
             // dQ = dS K (A: sdS^T read transposed), dV += P^T dO and dK += dS^T Q, all from shared memory; once
             // both consumers' GEMMs have completed, dQ's share over the stage for the dQ warp (it hands the stage on)
-            store_keys_by_queries(ds_tile, a_frag);
+            store_keys_by_queries(ds_tile);
             fence_proxy_async();  // the stores, then the wgmma that reads them
             named_barrier_sync(kDsReady, 128 * kConsumers);
             float acc_dq[kNTilesD][4];
