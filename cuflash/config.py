@@ -277,14 +277,13 @@ def smem_bytes(cfg: KernelConfig) -> int:
     if cfg.kernel in ("flash_bwd_preprocess", "flash_bwd_postprocess"):
         return 0
     if cfg.kernel == "flash_bwd_sm90":
-        # Sm90BwdSmem: slack, K, V, 2 stages of Q and dO, 2 dS, LSE and D, sDqAcc (two deterministic), a 64 x 64
-        # dQ tile's 2 sDqX; split dims (d > 128): 2 P^T, no sDqAcc. Then the small block (exp2's scale, mbarriers),
-        # in the slack (at most 1008 bytes) where it would not fit after the tiles
+        # Sm90BwdSmem: slack, K, V, 2 stages of Q and dO, 2 dS, LSE and D, sDqAcc (two deterministic); split dims
+        # (d > 128): 2 P^T, no sDqAcc. Then the small block (exp2's scale, mbarriers), in the slack (at most 1008
+        # bytes) where it would not fit after the tiles
         stages, split_dims = 2, sm90_split_dims(d)
         dq_acc = 0 if split_dims else bm * d * 4 * sm90_dq_buffers(cfg)
-        dq_exchange = 2 * 2 * 2 * 32 * 32 * 4 if bm * d == 64 * 64 else 0
         tiles = ((2 * bn * d + 2 * stages * bm * d + (4 if split_dims else 2) * bm * bn) * e
-                 + 2 * stages * bm * 4 + dq_acc + dq_exchange)
+                 + 2 * stages * bm * 4 + dq_acc)
         small = 8 + 8 * (1 + 4 * stages)
         return 1024 + tiles + small if 1024 + tiles + small <= SMEM_LIMIT[90] else 1008 + tiles
     if cfg.kernel == "flash_bwd":

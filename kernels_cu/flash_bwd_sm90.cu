@@ -12,10 +12,8 @@
 //     dV += P^T dO (P^T from registers), dS^T = P^T (dP^T - D), dK += dS^T Q (dS^T from registers), the steps
 //     to dS^T over two halves of 64 queries in turn where a consumer has 128 (kHalves: S^T and dP^T of all
 //     would leave too few registers beside dK and dV); dS^T goes to shared memory as dS (queries x keys), and
-//     each consumer computes its share of dQ = dS K (a 64 x 64 tile) and writes it into the block's fp32 dQ
-//     tile in shared memory (sDqAcc). That share is its own tile over all the block's keys, but for a 64 x 64 dQ
-//     tile (kDqOwnKeys): each consumer computes it over its own keys, and the two partials are summed through
-//     shared memory (sDqX), each consumer writing half of the rows.
+//     each consumer computes its share of dQ = dS K, its own 64 x 64 tile over all the block's keys, and writes
+//     it into the block's fp32 dQ tile in shared memory (sDqAcc).
 //   the dQ warp (producer warp 2): per pair, once the consumers have written sDqAcc, adds its rows into the fp32
 //     dQ accumulator in global memory by bulk reduces (the copy engine: no atomics from the consumers), and
 //     hands the buffer back as soon as the engine has read it.
@@ -42,11 +40,11 @@
 // Shared memory (sm90.cuh: 128-byte swizzle, [head_dim / 64 slabs][rows][64], 1024-byte aligned), Sm90BwdSmem:
 //   sK, sV [kBlockN rows]; kStages x sQ, kStages x sdO [kBlockM rows]; two sdS [kBlockN / 64 slabs][kBlockM]
 //   [64 keys] (one written while the other may still be read); kStages x LSE offsets and D [kBlockM floats];
-//   kDqBuffers x sDqAcc [kBlockM rows][dq_accum_row_stride <= kHeadDim floats]; kDqOwnKeys: two sDqX (as sdS)
-//   [from consumer][warp % 2][32 floats][32 lanes]; kSplitDims: two sP^T (as sdS) after the sdS, no sDqAcc. Then
-//   the small block: exp2's scale (a float), mbarriers kv_full, q_full[kStages], do_full[kStages], q_empty[kStages],
-//   do_empty[kStages]; where it would not fit after the tiles, in the alignment slack before them (kSmallInSlack).
-//   config.smem_bytes mirrors it. kQuerySplit: rank 0's dK, dV partials, at the end, over sK, sV, sQ and sdO.
+//   kDqBuffers x sDqAcc [kBlockM rows][dq_accum_row_stride <= kHeadDim floats]; kSplitDims: two sP^T (as sdS)
+//   after the sdS, no sDqAcc. Then the small block: exp2's scale (a float), mbarriers kv_full, q_full[kStages],
+//   do_full[kStages], q_empty[kStages], do_empty[kStages]; where it would not fit after the tiles, in the alignment
+//   slack before them (kSmallInSlack). config.smem_bytes mirrors it. kQuerySplit: rank 0's dK, dV partials, at the
+//   end, over sK, sV, sQ and sdO.
 //
 // Serves dense and varlen batches. Varlen arrays are one packed entry to TMA (as in flash_fwd_sm90.cu), so the
 // tiles that run past a sequence's end hold the next sequence's rows: the consumers zero them (K, V once; Q,
@@ -75,12 +73,8 @@ struct Sm90BwdSmem {  // byte offsets from the 1024-aligned base
     // sDqAcc holds the tile as the accumulator does (rows of dq_accum_row_stride floats, swizzled: no bank
     // conflicts): one bulk reduce adds it (per-row reduces, or padded rows, cost more in the copy engine)
     static constexpr unsigned kDqAcc = kD + kStages * kBlockM * 4;
-    // one 64 x 64 dQ tile in all (kDqOwnKeys: d = 64 at 64 x 128, no config now): 2 buffers x 2 consumers x 2 warps x
-    // 32 lanes x 32 floats of handed-on dQ partials
-    static constexpr bool kDqOwnKeys = kBlockM * kHeadDim == 64 * 64;
     static constexpr unsigned kDqAccBytes = kSplitDims ? 0 : kBlockM * kHeadDim * 4;  // one of kDqBuffers
-    static constexpr unsigned kDqX = kDqAcc + kDqBuffers * kDqAccBytes;
-    static constexpr unsigned kTiles = kDqX + (kDqOwnKeys ? 2 * 2 * 2 * 32 * 32 * 4 : 0);
+    static constexpr unsigned kTiles = kDqAcc + kDqBuffers * kDqAccBytes;
     // The small block: exp2's scale (8 bytes), then the mbarriers. After the tiles, but where the alignment slack,
     // the tiles and it would pass sm_90's 227 KiB (deterministic d = 64 at 128 x 128, by 80 bytes): then in the
     // slack before the base if it has room, else after the tiles. Dynamic shared memory is 16-byte aligned, so the
@@ -129,19 +123,14 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
                   "one consumer warpgroup per 64 keys, or two sharing them (kSplitDims)");
     static_assert(!kSplitDims || (kHeadDim == 256 && kBlockM == 64),
                   "kSplitDims: 32 queries a consumer (of one 128-byte row a key), 128 dims (two whole slabs)");
-    // dQ = dS K in 64 x 64 tiles: one per consumer over all kBlockN keys, or (d = 64) the one tile, each
-    // consumer adding its own keys' share
+    // dQ = dS K: one 64 x 64 tile per consumer over all kBlockN keys (kSplitDims: 64 x 128, its half of the dims)
     constexpr int kDqTiles = (kBlockM / 64) * (kHeadDim / 64);
-    static_assert(kSplitDims || kDqTiles == kConsumers || kDqTiles == 1,
-                  "dQ: a 64 x 64 tile per consumer, or one in all");
-    constexpr bool kDqOwnKeys = !kSplitDims && kDqTiles == 1;
-    static_assert(!kDqOwnKeys || kConsumers == 2, "d = 64: the partials of two consumers, half the rows each");
+    static_assert(kSplitDims || kDqTiles == kConsumers, "dQ: one 64 x 64 tile per consumer");
     static_assert((kVariant & (kSeqused | kPaged)) == 0, "dense or varlen batches");
     constexpr bool kIsVarlen = (kVariant & kVarlen) != 0;
     constexpr bool kIsQuerySplit = (kVariant & kQuerySplit) != 0;
     static_assert(!(kIsQuerySplit && kIsDeterministic), "the turns count key blocks, not halves of them");
     static_assert(!(kIsQuerySplit && kSplitDims), "rank 0's partials are whole rows of dK, dV");
-    static_assert(Smem::kDqOwnKeys == kDqOwnKeys, "Sm90BwdSmem's sDqX");
     constexpr int kQueries = kSplitDims ? kBlockM / 2 : kBlockM;  // a consumer's queries of S^T
     constexpr int kDims = kSplitDims ? kHeadDim / 2 : kHeadDim;   // a consumer's dims of dK, dV (and dQ)
     // d = 64 at 128 x 128: steps [4]-[8] run over two halves of 64 queries in turn, so that S^T and dP^T of one
@@ -159,11 +148,11 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
     static_assert(kProducerRegs + kConsumers * kConsumerRegs <= (1 + kConsumers) * launch_regs(kNWarps * 32),
                   "setmaxnreg moves registers between warpgroups: no more than the launch gave them");
     // Named barriers: kDsReady both consumers (also once varlen's tails are zeroed); kStore one per consumer;
-    // kDqX (d = 64) both consumers: sDqX's partials are in; sDqAcc buffer b's (the consumers and dQ warp 2 + b):
+    // sDqAcc buffer b's (the consumers and dQ warp 2 + b):
     // kDqFree + 4 b, the warp has read the buffer's last pair, kDqFull + 4 b, this pair's tile is written
     // (kSplitDims: b = it & 1 whatever the dQ warps, so that the consumers never arrive on a barrier its dQ warp
     // has not yet passed: their next arrival there waits for the stage that warp gives back)
-    constexpr int kDsReady = 1, kStore = 2, kDqX = 4, kDqFree = 5, kDqFull = 6;
+    constexpr int kDsReady = 1, kStore = 2, kDqFree = 5, kDqFull = 6;
     constexpr int kDqThreads = 128 * kConsumers + 32;
 
     unsigned dyn_smem;
@@ -182,7 +171,6 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
     float* const sLse = reinterpret_cast<float*>(base_ptr + Smem::kLse);  // [kStages][kBlockM]
     float* const sD = reinterpret_cast<float*>(base_ptr + Smem::kD);
     const unsigned sDqAcc = base + Smem::kDqAcc;
-    float* const sDqX = reinterpret_cast<float*>(base_ptr + Smem::kDqX);
     // The small block (Sm90BwdSmem::kSmall): after the tiles, or in the alignment slack before them
     unsigned small = base + Smem::kTiles;
     if constexpr (Smem::kSmallInSlack) {
@@ -364,12 +352,8 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
     const int wg_key0 = kSplitDims ? 0 : 64 * consumer, key_row0 = wg_key0 + 16 * warp;  // first keys inside the block
     // kSplitDims: this consumer's first query of S^T and first dim of dK, dV and dQ
     const int q0 = kSplitDims ? kQueries * consumer : 0, d0 = kSplitDims ? kDims * consumer : 0;
-    // This consumer's dQ tile: 64 query rows from dq_row0 x 64 dims from dq_col0, summed over keys from
-    // dq_key0 (kDqKeys of them)
-    const int dq_tile = kDqOwnKeys ? 0 : consumer;
-    const int dq_row0 = 64 * (dq_tile % (kBlockM / 64)), dq_col0 = 64 * (dq_tile / (kBlockM / 64));
-    constexpr int kDqKeys = kDqOwnKeys ? 64 : kBlockN;
-    const int dq_key0 = kDqOwnKeys ? wg_key0 : 0;
+    // This consumer's dQ tile: 64 query rows from dq_row0 x 64 dims from dq_col0, summed over all kBlockN keys
+    const int dq_row0 = 64 * (consumer % (kBlockM / 64)), dq_col0 = 64 * (consumer / (kBlockM / 64));
 
     float acc_dk[kNTilesD][4], acc_dv[kNTilesD][4];
 #pragma unroll
@@ -582,18 +566,14 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
             }
         }
         fence_proxy_async();  // the stores, then the wgmma that reads them
-        if constexpr (kDqOwnKeys) {
-            named_barrier_sync(kStore + consumer, 128);  // this consumer's keys are in
-        } else {
-            named_barrier_sync(kDsReady, 128 * kConsumers);  // every consumer's keys are in
-        }
+        named_barrier_sync(kDsReady, 128 * kConsumers);  // every consumer's keys are in
 
         // this consumer's 64 x 64 tile of dS K (K N-major), dK's products ([8]), then the tile into sDqAcc
         float acc_dq[8][4];
         wgmma_fence();
 #pragma unroll
-        for (int ks = 0; ks < kDqKeys / 16; ++ks) {
-            const int key = dq_key0 + 16 * ks;  // 64 keys per slab of sdS
+        for (int ks = 0; ks < kBlockN / 16; ++ks) {
+            const int key = 16 * ks;  // 64 keys per slab of sdS
             Wgmma<T, 64>::ss_n(acc_dq, smem_desc(ds_tile + (key / 64) * kSlabQ + dq_row0 * 128 + (key % 64) * 2, 16, 1024),
                                smem_desc(sK + (dq_col0 / 64) * kSlabKV + key * 128, kSlabKV, 1024), ks > 0);
         }
@@ -606,35 +586,12 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
         fence_operands(acc_dq);
         fence_operands(acc_dv);
         if (lane == 0) mbarrier_arrive(do_empty(s));
-        // d = 64: consumer c writes the rows of its warps 2c, 2c+1, their partials summed with the other
-        // consumer's (handed on through sDqX: a warp's 32 floats per lane, lane-contiguous)
-        bool writes = true;
-        if constexpr (kDqOwnKeys) {
-            writes = warp / 2 == consumer;
-            const int from = writes ? 1 - consumer : consumer;
-            float* const x = sDqX + (((it & 1) * 2 + from) * 2 + warp % 2) * 32 * 32 + lane;
-            if (!writes) {
-#pragma unroll
-                for (int nd = 0; nd < 8; ++nd)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) x[32 * (4 * nd + e)] = acc_dq[nd][e];
-            }
-            named_barrier_sync(kDqX, 128 * kConsumers);
-            if (writes) {
-#pragma unroll
-                for (int nd = 0; nd < 8; ++nd)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc_dq[nd][e] += x[32 * (4 * nd + e)];
-            }
-        }
         const int dq_buffer = kDqBuffers == 2 ? it & 1 : 0;
         named_barrier_sync(kDqFree + 4 * dq_buffer, kDqThreads);  // its dQ warp has read the buffer's last pair
         // acc_dq[nd][2h + e]: query row dq_row0 + 16 warp + g + 8h, dim dq_col0 + 8 nd + 2t + e
         static_assert(Smem::kDqAcc % 128 == 0, "sDqAcc's rows 128-byte aligned");
-        if (writes) {
-            store_dq_rows(sDqAcc + dq_buffer * Smem::kDqAccBytes, dq_row0 + 16 * warp, dq_col0, p.dq_accum_row_stride, g,
-                          t, acc_dq);
-        }
+        store_dq_rows(sDqAcc + dq_buffer * Smem::kDqAccBytes, dq_row0 + 16 * warp, dq_col0, p.dq_accum_row_stride, g, t,
+                      acc_dq);
         fence_proxy_async();  // the stores, then the copy engine that reads them
         named_barrier_arrive(kDqFull + 4 * dq_buffer, kDqThreads);
         wgmma_wait<0>();  // dK has completed: the stage's Q goes back to the producer

@@ -28,12 +28,9 @@ each (query head, query block) pair `it` into a ring of kStages = 2 stages, each
 consumers have released the stage's previous use (q_empty, do_empty); warp 1 writes the pair's LSE offsets
 and D rows into the stage and arrives on q_full beside the Q tile. Warpgroup 1 + c is consumer c, owning keys
 64 c .. 64 c + 63: per pair S^T, dP^T, P^T, dV and dS^T (with block_m 128, over two halves of 64 queries in turn:
-CUDA's kHalves), dK, its dS into sdS, then its 64 x 64 tile of dQ = dS K into the block's dQ tile in shared
-memory, sDqAcc. kDqOwnKeys (d = 64, block_m = 64, two consumers; no config takes it now): the one tile, each
-consumer's over its own keys; consumer c writes rows 32 c .. 32 c + 31 (those of its warps 2 c, 2 c + 1), its
-partial plus the other consumer's handed on through sDqX, and hands its other rows' partial on likewise. Producer
-warp 2, the dQ warp, adds sDqAcc's rows into dq_accum (CUDA: bulk reduces by the copy engine), so that the
-consumers issue no atomics.
+CUDA's kHalves), dK, its dS into sdS, then its own 64 x 64 tile of dQ = dS K over all the block's keys into the
+block's dQ tile in shared memory, sDqAcc. Producer warp 2, the dQ warp, adds sDqAcc's rows into dq_accum (CUDA:
+bulk reduces by the copy engine), so that the consumers issue no atomics.
 DETERMINISTIC: key blocks add into each dQ tile first to last while each visits its query blocks last to
 first (flash_bwd.py's backward_pair and dq_turn, as backward.cuh). sDqAcc has two buffers (by it & 1), and
 producer warp 2 + (it & 1) adds pair it's: it waits for the tile's turn, adds, and hands the tile on once its
@@ -64,9 +61,9 @@ CUDA's s = it % kStages):
   registers    the A operands CUDA keeps in registers (P^T for dV, dS^T for dK: a_frag) go through
                shared memory (sA), since a thread's partner holds the other half of its key's row
                (SPLIT_DIMS: none, CUDA's are in shared memory too).
-  named bars   CUDA's kDsReady (every consumer), kStore + consumer (one warpgroup), kDqX (the consumers),
-               kDqFree + 4 b and kDqFull + 4 b (the consumers and the dQ warp of sDqAcc buffer b; SPLIT_DIMS:
-               b = it & 1, no kDqFree) are syncthreads.
+  named bars   CUDA's kDsReady (every consumer), kStore + consumer (one warpgroup), kDqFree + 4 b and
+               kDqFull + 4 b (the consumers and the dQ warp of sDqAcc buffer b; SPLIT_DIMS: b = it & 1, no
+               kDqFree) are syncthreads.
   bulk reduce  the dQ warp's lane 0 adds sDqAcc's rows below seqlen_q element by element, dq_accum's
                columns (CUDA: one reduce of those rows, contiguous in sDqAcc as in the accumulator, whose rows
                are the compiled head dim wide; SPLIT_DIMS two, of the rows over sQ and over sdO; then a wait
@@ -141,14 +138,9 @@ def make_flash_bwd_sm90(cfg):
     BLOCK_N = cfg.block_n
     CONSUMERS = cfg.warps // 4 - 1  # kConsumers
     DQ_TILES = (BLOCK_M // DQ_TILE) * (HEAD_DIM // DQ_TILE)  # kDqTiles
-    if not SPLIT_DIMS and DQ_TILES not in (CONSUMERS, 1):
-        raise ValueError(f"flash_bwd_sm90: dQ takes a 64 x 64 tile per consumer or one in all, got {DQ_TILES} "
-                         f"tiles for {CONSUMERS} consumers")
-    DQ_OWN_KEYS = not SPLIT_DIMS and DQ_TILES == 1  # kDqOwnKeys: each consumer computes the one tile over its own keys
-    if DQ_OWN_KEYS and CONSUMERS != 2:
-        raise ValueError(f"flash_bwd_sm90: one dQ tile in all (head_dim={HEAD_DIM}, block_m={BLOCK_M}) takes the "
-                         f"partials of two consumers, half the rows each, got {CONSUMERS}")
-    DQ_KEYS = WG_KEYS if DQ_OWN_KEYS else BLOCK_N  # kDqKeys
+    if not SPLIT_DIMS and DQ_TILES != CONSUMERS:
+        raise ValueError(f"flash_bwd_sm90: dQ takes one 64 x 64 tile per consumer, got {DQ_TILES} tiles for "
+                         f"{CONSUMERS} consumers")
     STAGES = 2  # kStages
     IS_LOCAL, IS_SOFTCAP, IS_ALIBI, IS_DROPOUT, IS_VARLEN, TRANSFORM = variant_flags(cfg)
     IS_DETERMINISTIC = bool(cfg.variant & DETERMINISTIC)  # kIsDeterministic
@@ -176,10 +168,8 @@ def make_flash_bwd_sm90(cfg):
     Q_CPT = QUERIES // TPR  # of all the consumer's queries (sA's columns)
     D_CPT = thread_layout(WG_KEYS, DIMS, WARPGROUP)[3]
     DQ_CPT = thread_layout(BLOCK_M, DIMS, WARPGROUP)[3] if SPLIT_DIMS else thread_layout(DQ_TILE, DQ_TILE, WARPGROUP)[3]
-    # kDqOwnKeys: consumer warp w holds dQ rows 16 w .. 16 w + 15 (dq_r = tid // TPR, TPR = 2), as CUDA's does;
-    # sDqX [it & 1][from consumer][row % 32][col]: CUDA's 2 x 2 x (2 warps x 32 floats x 32 lanes)
+    # the dQ tile two threads to a query row as the keys (dq_r = tid // TPR; columns lane + j * TPR)
     assert TPR == 2 and thread_layout(DQ_TILE, DQ_TILE, WARPGROUP)[0] == TPR
-    DQX_SHAPE = (2, 2, 32, DQ_TILE) if DQ_OWN_KEYS else (1, 1, 1, 1)
     # SPLIT_DIMS: dS^T and P^T in keys x queries tiles (CUDA's sdS^T over sdS's bytes, sP^T), their wgmmas' A
     # operands from shared memory (no sA), and no sDqAcc
     SDS_SHAPE = (2, BLOCK_N, BLOCK_M) if SPLIT_DIMS else (2, BLOCK_M, BLOCK_N)
@@ -447,9 +437,9 @@ def make_flash_bwd_sm90(cfg):
             sdS[ds_tile, lane + j * TPR, key] = sA[1, key, lane + j * TPR]
 
     @cuda.jit(device=True)
-    def issue_dq(it, acc_dq, sdS, sK, dq_row0, dq_col0, dq_key0, row, lane):
-        # This consumer's 64 x 64 tile of dS K: query row dq_row0 + row, dims dq_col0 + lane + j * TPR
-        # (SPLIT_DIMS: 64 x 128, dims from d0, over every key; A is sdS^T read as dS, CUDA's transposed wgmma)
+    def issue_dq(it, acc_dq, sdS, sK, dq_row0, dq_col0, row, lane):
+        # This consumer's 64 x 64 tile of dS K over all the block's keys: query row dq_row0 + row, dims
+        # dq_col0 + lane + j * TPR (SPLIT_DIMS: 64 x 128, dims from d0; A is sdS^T read as dS, CUDA's transposed wgmma)
         ds_tile = it & 1
         if SPLIT_DIMS:
             for j in range(DQ_CPT):
@@ -462,7 +452,7 @@ def make_flash_bwd_sm90(cfg):
         for j in range(DQ_CPT):
             c = dq_col0 + lane + j * TPR
             a = ACC(0)
-            for n in range(dq_key0, dq_key0 + DQ_KEYS):  # CUDA: wgmma (dS, K from shared memory)
+            for n in range(BLOCK_N):  # CUDA: wgmma (dS, K from shared memory)
                 a += sdS[ds_tile, dq_row0 + row, n] * sK[n, c]
             acc_dq[j] = a
 
@@ -535,8 +525,6 @@ def make_flash_bwd_sm90(cfg):
         sA = cuda.shared.array(SA_SHAPE, ACC)  # CUDA: a_frag in registers; 0 P^T, 1 dS^T
         sLse = cuda.shared.array((STAGES, BLOCK_M), ACC)  # LSE * log2(e): exp2 offsets
         sD = cuda.shared.array((STAGES, BLOCK_M), ACC)
-        # kDqOwnKeys: the dQ partials handed to the other consumer, two buffers (by it & 1) as sdS's
-        sDqX = cuda.shared.array(DQX_SHAPE, ACC)
         # the block's dQ tile (CUDA: fp32, rows of dq_accum_row_stride floats, their chunks of 8 columns swizzled
         # as the accumulator's: backward.cuh's dq_accum_col, against bank conflicts)
         sDqAcc = cuda.shared.array(DQ_ACC_SHAPE, ACC)
@@ -575,12 +563,10 @@ def make_flash_bwd_sm90(cfg):
         # SPLIT_DIMS: this consumer's first query of S^T and first dim of dK, dV and dQ
         q0 = QUERIES * consumer if SPLIT_DIMS else 0
         d0 = DIMS * consumer if SPLIT_DIMS else 0
-        dq_tile = 0 if DQ_OWN_KEYS else consumer
-        dq_row0 = DQ_TILE * (dq_tile % (BLOCK_M // DQ_TILE))
-        dq_col0 = DQ_TILE * (dq_tile // (BLOCK_M // DQ_TILE))
-        dq_key0 = wg_key0 if DQ_OWN_KEYS else 0
-        dq_r = tid // TPR  # this thread's query row of the dQ tile
-        warp = tid // 32  # of the consumer warpgroup: dQ rows 16 warp .. 16 warp + 15
+        # this consumer's dQ tile: 64 query rows from dq_row0 x 64 dims from dq_col0
+        dq_row0 = DQ_TILE * (consumer % (BLOCK_M // DQ_TILE))
+        dq_col0 = DQ_TILE * (consumer // (BLOCK_M // DQ_TILE))
+        dq_r = tid // TPR  # this thread's query row of the dQ tile (CUDA: warp w's rows 16 w .. 16 w + 15)
 
         acc_s = cuda.local.array(S_CPT, ACC)
         acc_dp = cuda.local.array(S_CPT, ACC)
@@ -638,7 +624,7 @@ def make_flash_bwd_sm90(cfg):
             if SPLIT_DIMS:
                 # This consumer's dims of dQ = dS K, dV += P^T dO and dK += dS^T Q, all from shared memory
                 if consumer >= 0:
-                    issue_dq(it, acc_dq, sdS, sK, 0, d0, 0, dq_r, lane)
+                    issue_dq(it, acc_dq, sdS, sK, 0, d0, dq_r, lane)
                     issue_dv(it, acc_dv, sPt, it & 1, sdO, key, d0, lane, 0, BLOCK_M)
                     issue_dk(it, acc_dk, sdS, it & 1, sQ, key, d0, lane)
                 # CUDA: wgmma_wait<0>, then named barrier kDsReady: no wgmma reads the stage any more, and its
@@ -655,28 +641,11 @@ def make_flash_bwd_sm90(cfg):
                 if consumer >= 0:
                     issue_dk(it, acc_dk, sA, 1, sQ, key, d0, lane)
                     store_ds(it, sA, sdS, key, lane)
-                # CUDA: fence_proxy_async, then named barrier kStore + consumer (kDqOwnKeys: this consumer's keys
-                # are in) or kDsReady (every consumer's)
+                # CUDA: fence_proxy_async, then named barrier kDsReady (every consumer's keys are in)
                 cuda.syncthreads()
-                writes = consumer >= 0
-                from_ = 0  # CUDA's `from`: the consumer whose partial sDqX holds
                 if consumer >= 0:
-                    issue_dq(it, acc_dq, sdS, sK, dq_row0, dq_col0, dq_key0, dq_r, lane)
+                    issue_dq(it, acc_dq, sdS, sK, dq_row0, dq_col0, dq_r, lane)
                     release(bars, stage, tid)
-                    # kDqOwnKeys: consumer c writes the rows of its warps 2c, 2c + 1, their partials summed with the
-                    # other consumer's (handed on through sDqX); its other rows' partial it hands on
-                    if DQ_OWN_KEYS:
-                        writes = warp // 2 == consumer
-                        from_ = 1 - consumer if writes else consumer
-                        if not writes:
-                            for j in range(DQ_CPT):
-                                sDqX[it & 1, from_, dq_r % 32, lane + j * TPR] = acc_dq[j]
-                if DQ_OWN_KEYS:
-                    cuda.syncthreads()  # CUDA: named barrier kDqX (the consumers): sDqX's partials are in
-                if writes:
-                    if DQ_OWN_KEYS:
-                        for j in range(DQ_CPT):
-                            acc_dq[j] += sDqX[it & 1, from_, dq_r % 32, lane + j * TPR]
                     # CUDA: after named barrier kDqFree + 4 b (its dQ warp has read buffer b's last pair)
                     for j in range(DQ_CPT):
                         sDqAcc[it % DQ_BUFFERS, dq_row0 + dq_r, dq_col0 + lane + j * TPR] = acc_dq[j]
