@@ -250,10 +250,10 @@ def test_hopper_backward_choice(monkeypatch):
     # NVRTC 12.9 builds the varlen Hopper backward with spills: varlen runs on flash_bwd there, dense does not
     monkeypatch.setattr(_compile, "nvrtc_major", lambda: 12)
     assert main(v=config.VARLEN | config.LOCAL).kernel == "flash_bwd" and main(v=config.LOCAL).family == "sm90"
-    # block_m / 64 * head_dim / 64 dQ tiles: one per consumer (d = 128), or one in all (d = 64)
+    # block_m / 64 * head_dim / 64 dQ tiles of 64 x 64: one per consumer
     for d in (64, 128):
         c = main(d=d)
-        assert c.block_n == 64 * (c.warps // 4 - 1) and (c.block_m // 64) * (d // 64) in (1, c.warps // 4 - 1)
+        assert c.block_n == 64 * (c.warps // 4 - 1) and (c.block_m // 64) * (d // 64) == c.warps // 4 - 1
         assert c.smem_bytes <= config.SMEM_LIMIT[90]
     # d = 256 (and 160-224, padded to it): split dims, two consumers sharing 64 keys, deterministic too
     for d in (160, 256):

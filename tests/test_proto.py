@@ -116,62 +116,60 @@ SM90_CASES = {
 
 # proto/flash_bwd_sm90.py (between flash_bwd.py's preprocess and postprocess), backward only: name -> (batch,
 # seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, dtype, (cfg head_dim, block_m, block_n, warps),
-# variants). The smallest tiles the kernel's roles allow: two consumers of 64 keys (block_n = 128, warps = 12),
-# block_m = 64; 384 threads, a few seconds per (query head, query block) pair. dQ's 64 x 64 tiles: at cfg head
-# dim 64 one in all (each consumer's partial over its own keys, summed through sDqX, each consumer writing half
-# the rows), at 128 a tile each, over all keys (and at 64 with block_m 128, config's tile, S^T .. dS^T in two
-# halves of 64 queries); at 256 (split dims) two consumers sharing 64 keys (block_n = 64, warps = 12), each
-# writing its half of dQ's columns over the pair's Q and dO stage, which the dQ warp adds and gives back to the
-# producer. O and LSE from the NumPy backend; plain cases against cuflash.reference, those with variants against
-# the NumPy backend.
+# variants). config's tiles, two consumers of 64 keys (block_n = 128, warps = 12; 384 threads, a few seconds per
+# (query head, query block) pair), each computing its own 64 x 64 tile of dQ over all the block's keys: at cfg
+# head dim 64 block_m 128 (S^T .. dS^T in two halves of 64 queries), at 128 block_m 64; at 256 (split dims) two
+# consumers sharing 64 keys (block_n = 64, warps = 12), each writing its half of dQ's columns over the pair's Q
+# and dO stage, which the dQ warp adds and gives back to the producer. O and LSE from the NumPy backend; plain
+# cases against cuflash.reference, those with variants against the NumPy backend.
 # "deterministic": True (not a backend variant: _sm90_backward takes it) sets DETERMINISTIC, the turns of the two
 # dQ warps' adds; "query_split": True likewise QUERY_SPLIT, each
 # key block's query blocks split over two blocks.
 SM90_BWD_CASES = {
-    # 2 query heads x 2 query blocks: each stage of the ring is used twice (the producer waits on q_empty,
-    # do_empty); rows 0 .. 39 see no key
-    "sm90_bwd_f32_causal_sq_gt_sk_empty_rows_gqa_ring": (1, 100, 60, 2, 1, 64, True, "float32", (64, 64, 128, 12),
-                                                         {}),
-    "sm90_bwd_f16_d40_causal_sq_lt_sk": (1, 50, 110, 1, 1, 40, True, "float16", (64, 64, 128, 12), {}),
+    # d = 40 on the compiled 64: one key block of 110, one query block of 50 (its second half past seqlen_q)
+    "sm90_bwd_f16_d40_causal_sq_lt_sk": (1, 50, 110, 1, 1, 40, True, "float16", (64, 128, 128, 12), {}),
     "sm90_bwd_f32_d96_two_consumers_dq_tiles": (1, 60, 100, 1, 1, 96, False, "float32", (128, 64, 128, 12), {}),
-    "sm90_bwd_f32_seqlen_k_zero": (1, 9, 0, 2, 1, 64, False, "float32", (64, 64, 128, 12), {}),
+    "sm90_bwd_f32_seqlen_k_zero": (1, 9, 0, 2, 1, 64, False, "float32", (64, 128, 128, 12), {}),
     # 2 key blocks: query block 0 visited by key block 0 only, query block 1 by both (2 turns), per query head
-    "sm90_bwd_f32_deterministic_causal_gqa_dq_own_keys": (1, 100, 160, 2, 1, 64, True, "float32", (64, 64, 128, 12),
-                                                          {"deterministic": True}),
+    "sm90_bwd_f32_deterministic_causal_gqa": (1, 200, 160, 2, 1, 64, True, "float32", (64, 128, 128, 12),
+                                              {"deterministic": True}),
     "sm90_bwd_f32_d128_deterministic_two_consumers": (1, 70, 200, 1, 1, 128, False, "float32", (128, 64, 128, 12),
                                                       {"deterministic": True}),
-    # two consumers adding their keys' shares into the one dQ tile; key block 0 is outside every row's window
-    # (no pairs: dK = dV = 0)
-    "sm90_bwd_f16_window_softcap_alibi_dropout": (1, 40, 200, 1, 1, 64, True, "float16", (64, 64, 128, 12),
+    # key block 0 is outside every row's window (no pairs: dK = dV = 0); key block 1 (72 keys) sees the one query
+    # block (40 rows)
+    "sm90_bwd_f16_window_softcap_alibi_dropout": (1, 40, 200, 1, 1, 64, True, "float16", (64, 128, 128, 12),
                                                   {"window": (20, -1), "softcap": 2.0, "alibi": (1,),
                                                    "dropout_p": 0.25, "seed": 0x1234567, "offset": 2}),
     # the softcap at cfg head dim 128 (its derivative recovered from P), GQA, rows past seqlen_q (P = 0)
     "sm90_bwd_f32_d100_softcap_alibi_gqa": (1, 90, 120, 2, 1, 100, True, "float32", (128, 64, 128, 12),
                                             {"softcap": 1.5, "alibi": (2,)}),
-    # QUERY_SPLIT: key block 0 visits query blocks 0 .. 3 (ranks 0, 1 take 0 .. 1, 2 .. 3), key block 1 blocks 2, 3;
-    # x GQA's two query heads; rows 0 .. 49 see no key
-    "sm90_bwd_f32_query_split_causal_gqa": (1, 200, 150, 2, 1, 64, True, "float32", (64, 64, 128, 12),
+    # QUERY_SPLIT: key block 0 visits query blocks 0, 1 (ranks 0, 1 take one each), key block 1 block 1 (rank 0;
+    # rank 1 has no pair); x GQA's two query heads; rows 0 .. 49 see no key
+    "sm90_bwd_f32_query_split_causal_gqa": (1, 200, 150, 2, 1, 64, True, "float32", (64, 128, 128, 12),
                                             {"query_split": True}),
     # one query block: rank 1 has no pair and stores rank 0's dK, dV alone
     "sm90_bwd_f32_d96_query_split_one_block": (1, 60, 100, 1, 1, 96, False, "float32", (128, 64, 128, 12),
                                                {"query_split": True}),
-    # a window: key block 0 is outside every row's (both ranks without pairs: dK = dV = 0), key block 1 split
-    "sm90_bwd_f32_query_split_window_empty_key_block": (1, 90, 260, 1, 1, 64, True, "float32",
-                                                        (64, 64, 128, 12), {"window": (40, -1), "query_split": True}),
-    # varlen, as SM90_CASES' (inf in K, V, Q and dO rows past the last sequence): sequence 0's last key block and
-    # query block run into sequence 1, sequence 2's past the last sequence; sequence 1 has no queries, so its
-    # key block has no pairs (dK = dV = 0); two query blocks for sequence 2; GQA
-    "sm90_bwd_f32_varlen_causal_gqa": (3, 150, 190, 2, 1, 64, True, "float32", (64, 64, 128, 12),
-                                       {"varlen": ([0, 40, 40, 140], [0, 70, 100, 180])}),
-    # with the turns, and with the split over a cluster
-    "sm90_bwd_f32_varlen_deterministic": (2, 120, 300, 1, 1, 64, False, "float32", (64, 64, 128, 12),
+    # a window: key block 0 is outside every row's (both ranks without pairs: dK = dV = 0), key block 1 sees query
+    # block 0 alone (rank 0's), key block 2 (64 keys) both (split)
+    "sm90_bwd_f32_query_split_window_empty_key_block": (1, 150, 320, 1, 1, 64, True, "float32",
+                                                        (64, 128, 128, 12), {"window": (40, -1), "query_split": True}),
+    # varlen, as SM90_CASES' (inf in K, V, Q and dO rows past the last sequence): sequence 0's key block and query
+    # block run into the next sequences' rows, sequence 2's past the last sequence; sequence 1 has no queries, so its
+    # key block has no pairs (dK = dV = 0); two query blocks for sequence 2 (170 queries, rows 0 .. 89 seeing no
+    # key); GQA
+    "sm90_bwd_f32_varlen_causal_gqa": (3, 220, 190, 2, 1, 64, True, "float32", (64, 128, 128, 12),
+                                       {"varlen": ([0, 40, 40, 210], [0, 70, 100, 180])}),
+    # with the turns (2 key blocks per sequence), and with the split over a cluster (sequence 1's 2 query blocks)
+    "sm90_bwd_f32_varlen_deterministic": (2, 120, 300, 1, 1, 64, False, "float32", (64, 128, 128, 12),
                                           {"varlen": ([0, 50, 110], [0, 140, 290]), "deterministic": True}),
-    "sm90_bwd_f16_varlen_query_split_softcap": (2, 200, 160, 1, 1, 64, True, "float16", (64, 64, 128, 12),
-                                                {"varlen": ([0, 70, 190], [0, 60, 150]), "softcap": 2.0,
+    "sm90_bwd_f16_varlen_query_split_softcap": (2, 240, 160, 1, 1, 64, True, "float16", (64, 128, 128, 12),
+                                                {"varlen": ([0, 70, 230], [0, 60, 150]), "softcap": 2.0,
                                                  "query_split": True}),
     # d = 64 at block_m 128 (config's tile): each consumer's S^T .. dS^T over two halves of 64 queries, dQ a 64 x 64
     # tile per consumer over all 128 keys. Tails (72 queries, 22 keys), GQA, rows 0 .. 49 seeing no key (and query
-    # block 0's first half none of consumer 1's keys); key block 1 visits query block 1 alone
+    # block 0's first half none of consumer 1's keys); key block 0 visits 2 query heads x 2 query blocks (each stage
+    # of the ring used twice: the producer waits on q_empty, do_empty), key block 1 query block 1 alone
     "sm90_bwd_f32_d64_halves_causal_gqa": (1, 200, 150, 2, 1, 64, True, "float32", (64, 128, 128, 12), {}),
     # the turns at 128 x 128 (CUDA: the small block in the alignment slack); 3 key blocks add into each dQ tile
     "sm90_bwd_f32_d64_halves_deterministic": (1, 150, 300, 1, 1, 64, False, "float32", (64, 128, 128, 12),
@@ -458,23 +456,27 @@ def _sm90_bwd_refusals() -> list[str]:
 
     fails = []
     try:  # served: the dQ warps wait for the turns
-        make_flash_bwd_sm90(KernelConfig("flash_bwd_sm90", "float16", 64, 64, 128, 12, DETERMINISTIC))
+        make_flash_bwd_sm90(KernelConfig("flash_bwd_sm90", "float16", 64, 128, 128, 12, DETERMINISTIC))
     except ValueError as e:
         fails.append(f"deterministic refused: {e}")
+    try:  # one consumer, its dQ tile over its 64 keys
+        make_flash_bwd_sm90(KernelConfig("flash_bwd_sm90", "float16", 64, 64, 64, 8, 0))
+    except ValueError as e:
+        fails.append(f"one consumer refused: {e}")
     try:  # d = 256: split dims, the dQ warps too
         make_flash_bwd_sm90(KernelConfig("flash_bwd_sm90", "float16", 256, 64, 64, 12, DETERMINISTIC | VARLEN))
     except ValueError as e:
         fails.append(f"split dims refused: {e}")
-    bad = [KernelConfig("flash_bwd_sm90", "float16", 64, 64, 128, 12, bits)
+    bad = [KernelConfig("flash_bwd_sm90", "float16", 64, 128, 128, 12, bits)
            for bits in (SEQUSED, PAGED, VARLEN | ALIBI | DROPOUT)]
-    bad += [KernelConfig("flash_bwd", "float16", 64, 64, 128, 12, 0),  # another kernel
-            KernelConfig("flash_bwd_sm90", "float16", 64, 64, 96, 12, 0),  # block_n not whole warpgroups
-            KernelConfig("flash_bwd_sm90", "float16", 64, 64, 128, 8, 0),  # one warpgroup short
+    bad += [KernelConfig("flash_bwd", "float16", 64, 128, 128, 12, 0),  # another kernel
+            KernelConfig("flash_bwd_sm90", "float16", 64, 128, 96, 12, 0),  # block_n not whole warpgroups
+            KernelConfig("flash_bwd_sm90", "float16", 64, 128, 128, 8, 0),  # one warpgroup short
             KernelConfig("flash_bwd_sm90", "float16", 64, 96, 128, 12, 0),  # block_m not whole slabs
             KernelConfig("flash_bwd_sm90", "float16", 96, 64, 128, 12, 0),  # head_dim not whole slabs
             KernelConfig("flash_bwd_sm90", "float16", 128, 128, 128, 12, 0),  # 4 dQ tiles for 2 consumers
-            KernelConfig("flash_bwd_sm90", "float16", 64, 64, 64, 8, 0),  # one dQ tile, one consumer (no sDqX partner)
-            KernelConfig("flash_bwd_sm90", "float16", 64, 64, 128, 12, DETERMINISTIC | QUERY_SPLIT),
+            KernelConfig("flash_bwd_sm90", "float16", 64, 64, 128, 12, 0),  # 1 dQ tile for 2 consumers
+            KernelConfig("flash_bwd_sm90", "float16", 64, 128, 128, 12, DETERMINISTIC | QUERY_SPLIT),
             # split dims: two consumers sharing 64 keys, 64 query rows, the head dim in two halves of whole slabs,
             # no cluster
             KernelConfig("flash_bwd_sm90", "float16", 256, 64, 128, 12, 0),
@@ -1009,11 +1011,10 @@ def test_sim_sm90_backward_deterministic_turns(sim, name):
 
 
 def test_sim_sm90_backward_refusals(sim):
-    """make_flash_bwd_sm90 builds deterministic, and d = 256's split dims; raises ValueError for seqused, paged,
-    varlen with ALiBi and dropout, another kernel, a
-    block_n or warps that are not whole warpgroups, block_m or head_dim not whole 64-column slabs, dQ tiles
-    neither one per consumer nor one in all, one tile in all without two consumers to share it, and split dims
-    other than d = 256 over 64 keys, 64 queries and two consumers, or with QUERY_SPLIT."""
+    """make_flash_bwd_sm90 builds deterministic, one consumer (d = 64 at 64 x 64) and d = 256's split dims; raises
+    ValueError for seqused, paged, varlen with ALiBi and dropout, another kernel, a block_n or warps that are not
+    whole warpgroups, block_m or head_dim not whole 64-column slabs, dQ tiles other than one per consumer, and split
+    dims other than d = 256 over 64 keys, 64 queries and two consumers, or with QUERY_SPLIT."""
     failure = str(sim["sm90_bwd_refusals/failure"])
     assert not failure, failure
 
