@@ -143,6 +143,10 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
     constexpr bool kIsDropout = (kVariant & kDropout) != 0;
     constexpr bool kIsSoftcap = (kVariant & kSoftcap) != 0;
     using Mod = ScoreMod<float, kVariant, kTanhExp2>;
+    // The softcap's derivative 1 - t^2 kept from [5] to [7] as fp16 pairs (16 registers at 64 queries): no log2
+    // a score to recover it from P (the multi-function unit bounds the softcap backward). Not with dropout, whose
+    // draws take those registers (spills)
+    constexpr bool kKeepDcap = kIsSoftcap && !kIsDropout;
     const BwdParams& p = params.bwd;
     constexpr int kProducerRegs = 24, kConsumerRegs = 240;
     static_assert(kProducerRegs + kConsumers * kConsumerRegs <= (1 + kConsumers) * launch_regs(kNWarps * 32),
@@ -435,7 +439,20 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
             fence_operands(acc_s);
 
             // [5] Score modifiers, mask, P^T = exp2(S^T * scale_log2 - LSE * log2(e)), dropout
-            if constexpr (Mod::kTransform) {
+            // kKeepDcap: dcap[ni][h] the softcap's 1 - t^2 of acc_s[ni][2h], acc_s[ni][2h + 1], for [7]
+            __half2 dcap[kKeepDcap ? kNTilesH : 1][2];
+            if constexpr (kKeepDcap) {
+#pragma unroll
+                for (int ni = 0; ni < kNTilesH; ++ni)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int row = row_begin + qh + 8 * ni + 2 * t, col = key_begin + key_row0 + g + 8 * h;
+                        float d0, d1;
+                        acc_s[ni][2 * h] = mod.apply(acc_s[ni][2 * h], row, col, d0);
+                        acc_s[ni][2 * h + 1] = mod.apply(acc_s[ni][2 * h + 1], row + 1, col, d1);
+                        dcap[ni][h] = __floats2half2_rn(d0, d1);
+                    }
+            } else if constexpr (Mod::kTransform) {
                 for_each_score_t<kNTilesH>(key_begin + key_row0, row_begin + qh, lane, [&](float& x, int row, int col) {
                     float dc;
                     x = mod.apply(x, row, col, dc);
@@ -495,7 +512,10 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
                     } else {
                         ds = acc_s[ni][e] * (acc_dp[ni][e] - d);
                     }
-                    if constexpr (kIsSoftcap) {
+                    if constexpr (kKeepDcap) {
+                        const float2 dc = __half22float2(dcap[ni][e >> 1]);
+                        ds *= (e & 1) ? dc.y : dc.x;
+                    } else if constexpr (kIsSoftcap) {
                         // the softcap's 1 - t^2 from P (held logit = (log2 P + LSE offset) / scale_log2): no tile
                         // of derivatives kept in registers since [5]. P = 0 (masked, underflowed) gives dS = 0
                         const float pv = fabsf(acc_s[ni][e]);

@@ -145,6 +145,7 @@ def make_flash_bwd_sm90(cfg):
     IS_LOCAL, IS_SOFTCAP, IS_ALIBI, IS_DROPOUT, IS_VARLEN, TRANSFORM = variant_flags(cfg)
     IS_DETERMINISTIC = bool(cfg.variant & DETERMINISTIC)  # kIsDeterministic
     IS_QUERY_SPLIT = bool(cfg.variant & QUERY_SPLIT)  # kIsQuerySplit
+    KEEP_DCAP = IS_SOFTCAP and not IS_DROPOUT  # kKeepDcap: the softcap's derivative kept from [5] to [7]
     if IS_QUERY_SPLIT and IS_DETERMINISTIC:
         raise ValueError("flash_bwd_sm90: QUERY_SPLIT does not take DETERMINISTIC (the turns count key blocks, not "
                          "halves of them)")
@@ -332,15 +333,18 @@ def make_flash_bwd_sm90(cfg):
             acc_dp[j] = x
 
     @cuda.jit(device=True)
-    def p_of(it, acc_s, sLse, col, qh, lane, row_begin, m_block, n_block, seqlen_q, seqlen_k, window_left,
+    def p_of(it, acc_s, dcap, sLse, col, qh, lane, row_begin, m_block, n_block, seqlen_q, seqlen_k, window_left,
              window_right, tanh_in, bias, score_log2, seed_lo, seed_hi, bh, offset, dropout_threshold):
         # [5] Score modifiers, mask, P^T = exp2(S^T * scale_log2 - LSE * log2(e)), dropout
         # This thread's scores: key col, queries row_begin + qh + lane + j * TPR
         shift = seqlen_k - seqlen_q
         if TRANSFORM:
             for j in range(S_CPT):
-                acc_s[j] = score_mod(IS_SOFTCAP, IS_ALIBI, tanh_in, bias, shift, acc_s[j],
-                                     row_begin + qh + lane + j * TPR, col)[0]
+                x, dc = score_mod(IS_SOFTCAP, IS_ALIBI, tanh_in, bias, shift, acc_s[j], row_begin + qh + lane + j * TPR,
+                                  col)
+                acc_s[j] = x
+                if KEEP_DCAP:
+                    dcap[j] = dc  # the softcap's 1 - t^2 for [7] (CUDA: rounded to fp16, two to a register)
         if needs_mask(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, m_block, n_block):
             for j in range(S_CPT):
                 if not visible(IS_LOCAL, window_left, window_right, seqlen_q, seqlen_k,
@@ -387,7 +391,7 @@ def make_flash_bwd_sm90(cfg):
             acc_dv[j] = a
 
     @cuda.jit(device=True)
-    def ds_of(it, acc_s, acc_dp, sD, sLse, col, qh, lane, row_begin, seqlen_q, seqlen_k, bias, score_log2,
+    def ds_of(it, acc_s, acc_dp, dcap, sD, sLse, col, qh, lane, row_begin, seqlen_q, seqlen_k, bias, score_log2,
               dropout_scale):
         # [7] dS^T = P^T (dP^T - D)
         # D belongs to the query (column). Dropout: dL/dP is dP / (1 - p) where kept and 0 where dropped
@@ -403,7 +407,9 @@ def make_flash_bwd_sm90(cfg):
                     ds = acc_s[j] * d
             else:
                 ds = acc_s[j] * (acc_dp[j] - d)
-            if IS_SOFTCAP:
+            if KEEP_DCAP:
+                ds *= dcap[j]
+            elif IS_SOFTCAP:
                 # the softcap's 1 - t^2 from P (held score = (log2 P + LSE offset) / score_log2), not kept
                 # since [5]; P = 0 (masked, underflowed) gives dS = 0
                 pv = abs(acc_s[j])
@@ -570,6 +576,7 @@ def make_flash_bwd_sm90(cfg):
 
         acc_s = cuda.local.array(S_CPT, ACC)
         acc_dp = cuda.local.array(S_CPT, ACC)
+        dcap = cuda.local.array(S_CPT if KEEP_DCAP else 1, ACC)
         acc_dk = cuda.local.array(D_CPT, ACC)
         acc_dv = cuda.local.array(D_CPT, ACC)
         acc_dq = cuda.local.array(DQ_CPT, ACC)
@@ -601,8 +608,8 @@ def make_flash_bwd_sm90(cfg):
                 qh = q0 + QH * half
                 if consumer >= 0:
                     issue_s_dp(it, half, acc_s, acc_dp, bars, sK, sV, sQ, sdO, key, qh, lane)
-                    p_of(it, acc_s, sLse, key_begin + key, qh, lane, row_begin, m_block, n_block, seqlen_q, seqlen_k,
-                         window_left, window_right, tanh_in, bias, score_log2, seed_lo, seed_hi,
+                    p_of(it, acc_s, dcap, sLse, key_begin + key, qh, lane, row_begin, m_block, n_block, seqlen_q,
+                         seqlen_k, window_left, window_right, tanh_in, bias, score_log2, seed_lo, seed_hi,
                          uint64(batch * nheads + head), offset, dropout_threshold)
                     if SPLIT_DIMS:
                         store_keys_by_queries(sPt, it, acc_s, key, q0, lane, IS_DROPOUT)  # dV's wgmma in [9]
@@ -612,7 +619,7 @@ def make_flash_bwd_sm90(cfg):
                 if consumer >= 0:
                     if not SPLIT_DIMS:
                         issue_dv(it, acc_dv, sA, 0, sdO, key, d0, lane, qh, QH)
-                    ds_of(it, acc_s, acc_dp, sD, sLse, key_begin + key, qh, lane, row_begin, seqlen_q, seqlen_k,
+                    ds_of(it, acc_s, acc_dp, dcap, sD, sLse, key_begin + key, qh, lane, row_begin, seqlen_q, seqlen_k,
                           bias, score_log2, dropout_scale)
                     if SPLIT_DIMS:
                         store_keys_by_queries(sdS, it, acc_dp, key, q0, lane, False)
