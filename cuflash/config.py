@@ -447,7 +447,7 @@ def kv_box_rows(cfg: KernelConfig, page_size: int) -> int:
 
 
 # flash_bwd_sm90 serves dense and varlen batches (a KV cache has no backward), with every variant (the
-# softcap's derivative recovered from P at [7]: a tile of it kept from [5] spilled at d = 128) but varlen with
+# softcap's derivative kept from [5] to [7] as fp16 pairs, or with dropout recovered from P at [7]) but varlen with
 # ALiBi and dropout together: at d = 128 those spill (4 to 40 bytes, NVRTC 13.0), as the same variants dense
 # do not. And varlen only where NVRTC 13 or newer builds it: NVRTC 12.9's builds spill (8 to 96 bytes at
 # d = 64 and 128, for every varlen variant but the plain and deterministic ones).

@@ -516,8 +516,8 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
                         const float2 dc = __half22float2(dcap[ni][e >> 1]);
                         ds *= (e & 1) ? dc.y : dc.x;
                     } else if constexpr (kIsSoftcap) {
-                        // the softcap's 1 - t^2 from P (held logit = (log2 P + LSE offset) / scale_log2): no tile
-                        // of derivatives kept in registers since [5]. P = 0 (masked, underflowed) gives dS = 0
+                        // with dropout, the softcap's 1 - t^2 from P (held logit = (log2 P + LSE offset) /
+                        // scale_log2). P = 0 (masked, underflowed) gives dS = 0
                         const float pv = fabsf(acc_s[ni][e]);
                         const float x = (__log2f(pv) + at_query(lse_off, ni, e)) * inv_scale_log2;
                         const float dc = mod.dcap_of(x, row_begin + qh + 8 * ni + 2 * t + (e & 1),

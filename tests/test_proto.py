@@ -140,7 +140,7 @@ SM90_BWD_CASES = {
     "sm90_bwd_f16_window_softcap_alibi_dropout": (1, 40, 200, 1, 1, 64, True, "float16", (64, 128, 128, 12),
                                                   {"window": (20, -1), "softcap": 2.0, "alibi": (1,),
                                                    "dropout_p": 0.25, "seed": 0x1234567, "offset": 2}),
-    # the softcap at cfg head dim 128 (its derivative recovered from P), GQA, rows past seqlen_q (P = 0)
+    # the softcap at cfg head dim 128 (its derivative kept from [5] to [7]), GQA, rows past seqlen_q (P = 0)
     "sm90_bwd_f32_d100_softcap_alibi_gqa": (1, 90, 120, 2, 1, 100, True, "float32", (128, 64, 128, 12),
                                             {"softcap": 1.5, "alibi": (2,)}),
     # QUERY_SPLIT: key block 0 visits query blocks 0, 1 (ranks 0, 1 take one each), key block 1 block 1 (rank 0;
