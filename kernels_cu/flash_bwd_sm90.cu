@@ -143,19 +143,19 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
     constexpr bool kIsDropout = (kVariant & kDropout) != 0;
     constexpr bool kIsSoftcap = (kVariant & kSoftcap) != 0;
     using Mod = ScoreMod<float, kVariant, kTanhExp2>;
-    // The softcap's derivative 1 - t^2 kept from [5] to [7] as fp16 pairs (16 registers at 64 queries): no log2
-    // a score to recover it from P (the multi-function unit bounds the softcap backward). Not with dropout, whose
-    // draws take those registers (spills)
+    // The softcap's derivative 1 - t^2 kept from [5] to [7] as fp16 pairs (16 registers for 64 queries; fp32
+    // spilled at d = 128): 5.5-7.5 instructions a score fewer than recovering it from P, a log2 among them. Not
+    // with dropout, whose draws take those registers (spills)
     constexpr bool kKeepDcap = kIsSoftcap && !kIsDropout;
     const BwdParams& p = params.bwd;
     constexpr int kProducerRegs = 24, kConsumerRegs = 240;
     static_assert(kProducerRegs + kConsumers * kConsumerRegs <= (1 + kConsumers) * launch_regs(kNWarps * 32),
                   "setmaxnreg moves registers between warpgroups: no more than the launch gave them");
     // Named barriers: kDsReady both consumers (also once varlen's tails are zeroed); kStore one per consumer;
-    // sDqAcc buffer b's (the consumers and dQ warp 2 + b):
-    // kDqFree + 4 b, the warp has read the buffer's last pair, kDqFull + 4 b, this pair's tile is written
-    // (kSplitDims: b = it & 1 whatever the dQ warps, so that the consumers never arrive on a barrier its dQ warp
-    // has not yet passed: their next arrival there waits for the stage that warp gives back)
+    // sDqAcc buffer b's (the consumers and dQ warp 2 + b): kDqFree + 4 b, the warp has read the buffer's last
+    // pair, kDqFull + 4 b, this pair's tile is written (kSplitDims: b = it & 1 whatever the dQ warps, so that the
+    // consumers never arrive on a barrier its dQ warp has not yet passed: their next arrival there waits for the
+    // stage that warp gives back)
     constexpr int kDsReady = 1, kStore = 2, kDqFree = 5, kDqFull = 6;
     constexpr int kDqThreads = 128 * kConsumers + 32;
 
