@@ -410,8 +410,8 @@ def make_flash_bwd_sm90(cfg):
             if KEEP_DCAP:
                 ds *= dcap[j]
             elif IS_SOFTCAP:
-                # the softcap's 1 - t^2 from P (held score = (log2 P + LSE offset) / score_log2), not kept
-                # since [5]; P = 0 (masked, underflowed) gives dS = 0
+                # with dropout, the softcap's 1 - t^2 from P (held score = (log2 P + LSE offset) / score_log2);
+                # P = 0 (masked, underflowed) gives dS = 0
                 pv = abs(acc_s[j])
                 if pv == 0:
                     ds = ACC(0)
