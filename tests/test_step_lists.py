@@ -258,7 +258,7 @@ def test_sm90_backward_prototype_names():
     py = (PROTO / "flash_bwd_sm90.py").read_text()
     for name in ("producer", "consumer", "kv_full", "q_full", "do_full", "q_empty", "do_empty", "n_it", "n_pairs",
                  "use", "phase", "m_block_first", "m_block_end", "wg_key0", "dq_row0", "dq_col0", "ds_tile",
-                 "dcap_of", "acc_dk", "acc_dv", "acc_dq", "lse_to_log2_offset", "sDqAcc"):
+                 "dcap_of", "dcap", "acc_dk", "acc_dv", "acc_dq", "lse_to_log2_offset", "sDqAcc"):
         assert re.search(rf"\b{name}\b", cu), f"flash_bwd_sm90.cu has no {name}"
         assert re.search(rf"\b{name}\b", py), f"proto/flash_bwd_sm90.py has no {name}"
     for name in ("q_full", "do_full", "q_empty", "do_empty", "producer"):
