@@ -194,9 +194,9 @@ _TILES: dict[str, dict[int, tuple[int, int, int]]] = {
     # Hopper: warps = 4 per warpgroup, a producer and one consumer per 64 query rows. Compiled for head dims
     # that are whole 64-column slabs (a call's head dim rounds up to the next; TMA fills the rest with zeros).
     "flash_fwd_sm90": {64: (128, 128, 12), 128: (128, 128, 12), 256: (128, 64, 12)},
-    # Hopper backward: a producer and one consumer per 64 keys; dQ in 64 x 64 tiles, one per consumer or one
-    # in all (block_m / 64 * head_dim / 64 of them). Head dims up to 128: dK and dV of 64 keys x the head dim
-    # live in registers. d = 64 at 128 x 128 (FlashAttention-3's tile), a consumer's queries in two halves, for
+    # Hopper backward: a producer and one consumer per 64 keys (d = 256: two sharing them, half the dims each); dQ
+    # in 64 x 64 tiles, one per consumer (d = 256: 64 x 128). Head dims up to 128: dK and dV of 64 keys x the head
+    # dim live in registers. d = 64 at 128 x 128 (FlashAttention-3's tile), a consumer's queries in two halves, for
     # every variant: 1.17-1.22x faster than 64 x 128 on an H200, deterministic 1.15-1.17x, the variants 1.07-1.17x
     # (bench/RESULTS.md, 2026-12-06 (t)).
     "flash_bwd_sm90": {64: (128, 128, 12), 128: (64, 128, 12), 256: (64, 64, 12)},
