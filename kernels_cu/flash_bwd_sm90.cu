@@ -33,7 +33,7 @@
 //   dS). No sDqAcc (no shared memory left for 64 x 256 floats): once both consumers' GEMMs of the pair have
 //   completed, the pair's own Q and dO stage is free, and the dQ tile goes there, laid out as sDqAcc (rows 0-31 over
 //   sQ, 32-63 over sdO); the dQ warp adds it by two bulk reduces and gives the stage back to the producer once the
-//   engine has read it (the consumers' atomics, 64 KiB a pair, had kept the L2 busiest of all units).
+//   engine has read it, sQ before sdO (the consumers' atomics, 64 KiB a pair, had kept the L2 busiest of all units).
 // Accumulators are in the mma.sync C layout per warp (wgmma.cuh), so masks, score modifiers and dropout are
 // flash_bwd's (for_each_score_t, for_each_keep_t).
 //
@@ -292,7 +292,10 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
             // the buffer holds the tile (kDqFull + 4 b), add its rows below seqlen_q into the accumulator (contiguous
             // there: one bulk reduce), and give the buffer back (kDqFree + 4 b) once the engine has read it.
             // kSplitDims: the tile lies over the pair's stage, rows 0-31 over sQ and 32-63 over sdO (two reduces),
-            // and the stage goes back to the producer (q_empty, do_empty) once the engine has read it.
+            // and the stage goes back to the producer once the engine has read it: sQ (q_empty) as soon as its rows
+            // are read, a group of their own, so that the next Q load starts a reduce earlier (1.10-1.19x faster at
+            // d = 256, bench/RESULTS.md 2026-12-07 (v)); kDeterministic: both at once, as its turns ran 17-29 %
+            // slower non-causal the other way.
             // kDeterministic: before its reduce, lane 0 waits for the tile's turn (the key blocks before this one
             // have added), and once the adds have completed hands the tile on
             const int b = kDqBuffers == 1 ? 0 : warp - 2;  // (a constant for the compiler where it is one)
@@ -321,20 +324,22 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
                     float* const dst = dq_accum_rows(p, seq, batch, head) + row_begin * width;
                     if constexpr (kSplitDims) {
                         bulk_reduce_add_f32(dst, sQ(s), min(rows, 32) * width * 4);
+                        if constexpr (!kIsDeterministic) bulk_commit();
                         if (rows > 32) bulk_reduce_add_f32(dst + 32 * width, sdO(s), (rows - 32) * width * 4);
                     } else {
                         bulk_reduce_add_f32(dst, sDqAcc + b * Smem::kDqAccBytes, rows * width * 4);
                     }
                 }
                 bulk_commit();
-                bulk_wait_read<0>();
                 if constexpr (kSplitDims) {
-                    if (lane == 0) {
-                        mbarrier_arrive(q_empty(s));
-                        mbarrier_arrive(do_empty(s));
-                    }
-                } else if (it + kDqBuffers < n_it) {
-                    named_barrier_arrive(kDqFree + 4 * b, kDqThreads);
+                    if constexpr (kIsDeterministic) bulk_wait_read<0>();
+                    else bulk_wait_read<1>();  // sQ's rows read
+                    if (lane == 0) mbarrier_arrive(q_empty(s));
+                    bulk_wait_read<0>();
+                    if (lane == 0) mbarrier_arrive(do_empty(s));
+                } else {
+                    bulk_wait_read<0>();
+                    if (it + kDqBuffers < n_it) named_barrier_arrive(kDqFree + 4 * b, kDqThreads);
                 }
                 if constexpr (kIsDeterministic) {
                     bulk_wait<0>();   // the adds have landed

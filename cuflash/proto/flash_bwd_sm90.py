@@ -67,7 +67,8 @@ CUDA's s = it % kStages):
   bulk reduce  the dQ warp's lane 0 adds sDqAcc's rows below seqlen_q element by element, dq_accum's
                columns (CUDA: one reduce of those rows, contiguous in sDqAcc as in the accumulator, whose rows
                are the compiled head dim wide; SPLIT_DIMS two, of the rows over sQ and over sdO; then a wait
-               until the engine has read them, or with DETERMINISTIC until the adds have completed).
+               until the engine has read them, or with DETERMINISTIC until the adds have completed;
+               SPLIT_DIMS without DETERMINISTIC gives sQ back once its rows are read, sdO after).
   swizzle      none: dq_accum's columns are plain here (CUDA's sDqAcc and accumulator chunks of 8 columns
                are swizzled by dq_accum_col, which the postprocess undoes).
   setmaxnreg   no counterpart.
