@@ -293,8 +293,8 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
             // there: one bulk reduce), and give the buffer back (kDqFree + 4 b) once the engine has read it.
             // kSplitDims: the tile lies over the pair's stage, rows 0-31 over sQ and 32-63 over sdO (two reduces),
             // and the stage goes back to the producer once the engine has read it: sQ (q_empty) as soon as its rows
-            // are read, a group of their own, so that the next Q load starts a reduce earlier (1.10-1.19x faster at
-            // d = 256, bench/RESULTS.md 2026-12-07 (v)); kDeterministic: both at once, as its turns ran 17-29 %
+            // are read, a group of their own, so that the next Q load starts a reduce earlier (1.07-1.19x faster at
+            // d = 256, bench/RESULTS.md 2026-12-07 (v)); kDeterministic: both at once, as its turns ran 6-26 %
             // slower non-causal the other way.
             // kDeterministic: before its reduce, lane 0 waits for the tile's turn (the key blocks before this one
             // have added), and once the adds have completed hands the tile on
