@@ -293,9 +293,9 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
             // there: one bulk reduce), and give the buffer back (kDqFree + 4 b) once the engine has read it.
             // kSplitDims: the tile lies over the pair's stage, rows 0-31 over sQ and 32-63 over sdO (two reduces),
             // and the stage goes back to the producer once the engine has read it: sQ (q_empty) as soon as its rows
-            // are read, a group of their own, so that the next Q load starts a reduce earlier (1.07-1.19x faster at
-            // d = 256, bench/RESULTS.md 2026-12-07 (v)); kDeterministic: both at once, as its turns ran 6-26 %
-            // slower non-causal the other way.
+            // are read (a bulk group of their own), so that the next Q load need not wait for the read of sdO's rows
+            // (1.07-1.19x faster at d = 256, bench/RESULTS.md 2026-12-07 (v)); kDeterministic: both at once, as its
+            // turns ran 6-26 % slower non-causal the other way.
             // kDeterministic: before its reduce, lane 0 waits for the tile's turn (the key blocks before this one
             // have added), and once the adds have completed hands the tile on
             const int b = kDqBuffers == 1 ? 0 : warp - 2;  // (a constant for the compiler where it is one)
