@@ -95,7 +95,7 @@ def make_flash_bwd_preprocess(cfg):
             row = m_block * BLOCK_M + e // head_dim
             if row < seqlen_q:
                 dq_accum[bidx, head, q_start + row, e % head_dim] = 0
-        # CUDA: one warp per row, lanes over head_dim, then warp_allreduce_sum; here one thread per row.
+        # CUDA: a group of lanes per row, 16 bytes a lane, summed over the group by shuffles; here one thread a row.
         for r in range(tid, BLOCK_M, NTHREADS):
             row = m_block * BLOCK_M + r
             if row < seqlen_q:
