@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd_preprocess(const __gri
     using A = acc_t<T>;
     constexpr int kVec = 16 / sizeof(T);                        // elements a 16-byte load
     constexpr int kLoadsPerRow = 256 / kVec / 32;               // a lane's loads of a 256-dim row: 1, 2 or 4
-    constexpr int kInFlight = kLoadsPerRow == 1 ? 4 : 4 / kLoadsPerRow;  // rows a thread loads at once
+    constexpr int kInFlight = 4 / kLoadsPerRow;                 // rows a thread loads at once: 4, 2 or 1
 
     // [1] Preprocess: D = rowsum(dO * O); zero the dQ accumulator and semaphores
     const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
