@@ -253,8 +253,10 @@ _TILES_BY_KEYS = {"flash_fwd_sm90": {64: ((*_ONE_CONSUMER_D64, (4096, (128, 192,
 # with registers of their own (HEAVY: _TILES_HEAVY's tiles already are small).
 _TILES_SMALL_GRID = {"flash_bwd": {32: (64, 64, 4), 64: (64, 64, 4), 96: (64, 64, 4), 128: (64, 64, 4)}}
 
-# flash_bwd_preprocess and flash_bwd_postprocess: (block_m, warps), whatever the head dim (they take none).
-_PREPROCESS_TILE = (64, 4)
+# flash_bwd_preprocess and flash_bwd_postprocess: (block_m, warps), whatever the head dim (they take none). 16 warps:
+# at B2 H8 N512 the grid is 128 blocks, and with 4 warps each SM held too few loads in flight to stream O and dO
+# (bench/RESULTS.md 2026-12-07 (x), H100, bf16 d = 128: preprocess 8.1 -> 7.0 us, postprocess 5.7 -> 5.4).
+_PREPROCESS_TILE = (64, 16)
 # DETERMINISTIC: one dQ semaphore per SEMAPHORE_ROWS query rows, as many as preprocess blocks (preprocess
 # block i zeroes semaphore i); flash_bwd's block_m is a multiple of it and uses the first of them.
 SEMAPHORE_ROWS = _PREPROCESS_TILE[0]

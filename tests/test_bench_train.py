@@ -81,9 +81,9 @@ def test_step_flops():
 ATTENTION_NAMES = [
     # cuflash (kernels_cu/*.cu, config.SOURCES), as CUPTI demangles them
     "void cuflash::flash_fwd<__nv_bfloat16, 64, 128, 64, 4, 1>(cuflash::FwdParams)",
-    "void cuflash::flash_bwd_preprocess<__nv_bfloat16, 64, 4, 1>(cuflash::BwdParams)",
+    "void cuflash::flash_bwd_preprocess<__nv_bfloat16, 64, 16, 1>(cuflash::BwdParams)",
     "void cuflash::flash_bwd<__nv_bfloat16, 64, 128, 128, 8, 1>(cuflash::BwdParams)",
-    "void cuflash::flash_bwd_postprocess<__nv_bfloat16, 64, 4, 0>(cuflash::BwdParams)",
+    "void cuflash::flash_bwd_postprocess<__nv_bfloat16, 64, 16, 0>(cuflash::BwdParams)",
     "void cuflash::flash_fwd_simt<float, 64, 64, 64, 4, 1>(cuflash::FwdParams)",
     "cuflash::flash_bwd_dkdv_simt<float, 64, 64, 64, 4, 1>",
     # torch's flash backend

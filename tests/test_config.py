@@ -156,7 +156,7 @@ def test_preprocess_is_one_kernel_per_dtype():
             assert len(pres) == 1, pres
         assert len([c for c in config.all_configs() if c.kernel == "flash_bwd_preprocess" and c.dtype == dt]) == 2
     pre = config.choose_backward("float16", 128, config.LOCAL)[0]
-    assert pre.template_name == "cuflash::flash_bwd_preprocess<__half, 64, 4, 0>"
+    assert pre.template_name == "cuflash::flash_bwd_preprocess<__half, 64, 16, 0>"
     assert (pre.head_dim, pre.block_n, pre.variant, pre.smem_bytes) == (0, 0, 0, 0)
 
 
