@@ -219,7 +219,9 @@ class PtxasReport:
     stack_bytes: int
     smem_static: int
     log: str
-    serialized: bool = False  # ptxas serialized the wgmmas (C7512: too few registers to keep them in flight)
+    # ptxas serialized the wgmmas (C7512: too few registers to keep them in flight; C7515: other instructions write
+    # an in-flight wgmma's accumulators)
+    serialized: bool = False
 
 
 def _cuda_include_dirs() -> list[str]:
@@ -301,7 +303,7 @@ _FN = re.compile(r"Compiling entry function '(\S+)' for '(sm_\d+a?)'")
 _REG = re.compile(r"Used (\d+) registers")
 _SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _SMEM = re.compile(r"(\d+) bytes smem")
-_SERIALIZED = re.compile(r"\(C7512\).*serialized.*for the function '(\S+)'")
+_SERIALIZED = re.compile(r"\(C75\d\d\)[^\n]*wgmma\.mma_async instructions are serialized[^\n]*function '(\S+)'")
 
 
 def ptxas_reports(configs: list[KernelConfig], arch) -> list[PtxasReport]:

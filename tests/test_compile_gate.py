@@ -42,10 +42,28 @@ def test_compiles_without_spills(reports, arch, source):
 
 @pytest.mark.parametrize(("arch", "source"), [t for t in TARGETS if t[0] == "90a"])
 def test_wgmma_stays_asynchronous(reports, arch, source):
-    """ptxas serializes a kernel's wgmmas (warning C7512) when it lacks the registers to keep them in flight:
-    correct, and far slower. No config may do that."""
+    """ptxas serializes a kernel's wgmmas (warnings C7512, C7515) when it lacks the registers to keep them in flight
+    or other instructions write their accumulators meanwhile: correct, and far slower. No config may do that."""
     bad = [r.name for _, r in reports(arch, source) if r.serialized]
     assert not bad, f"sm_{arch}: wgmma serialized in\n" + "\n".join(bad)
+
+
+def test_serialization_warnings_are_read(monkeypatch):
+    """Both of ptxas' serialization warnings mark their function, and only it (a log in ptxas' words, no NVRTC)."""
+    names = {"f<0>": "_Z1fILi0E", "f<1>": "_Z1fILi1E", "f<2>": "_Z1fILi2E"}
+
+    def warning(code, why, fn):
+        return (f"ptxas info    : ({code}) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+                f"due to {why} function '{fn}'\n")
+
+    log = (warning("C7512", "insufficient register resources for the", names["f<1>"])
+           + warning("C7515", "non wgmma instructions defining accumulator registers of a wgmma between start and "
+                     "end of the pipeline stage in the", names["f<2>"])
+           + "".join(f"ptxas info    : Compiling entry function '{m}' for 'sm_90a'\n"
+                     "ptxas info    : Used 168 registers, used 16 barriers\n" for m in names.values()))
+    monkeypatch.setattr(_compile, "nvrtc_compile", lambda filename, names_, arch: (log, names))
+    cfgs = [type("Cfg", (), {"source": "k.cu", "template_name": n})() for n in names]
+    assert [r.serialized for r in _compile.ptxas_reports(cfgs, "90a")] == [False, True, True]
 
 
 @pytest.mark.parametrize(("arch", "source"), TARGETS)
