@@ -9,9 +9,10 @@
 //     stages (thread 0), and the pair's LSE (as exp2's offset) and D rows into the stage (warp 1).
 //   consumers (warpgroups 1 ..): each owns 64 of the keys. Per pair, with keys as the wgmma's M dimension:
 //     S^T = K Q^T and dP^T = V dO^T by wgmma from shared memory, P^T = exp2(S^T * scale_log2 - LSE * log2(e)),
-//     dV += P^T dO (P^T from registers), dS^T = P^T (dP^T - D), dK += dS^T Q (dS^T from registers), the steps
-//     to dS^T over two halves of 64 queries in turn where a consumer has 128 (kHalves: S^T and dP^T of all
-//     would leave too few registers beside dK and dV); dS^T goes to shared memory as dS (queries x keys), and
+//     dV += P^T dO (P^T from registers), dS^T = P^T (dP^T - D), dK += dS^T Q (dS^T from registers; kDkFromSmem,
+//     d = 128 with plain scores and no mask of key blocks: from sdS, the next pair's S^T, dP^T issued under it),
+//     the steps to dS^T over two halves of 64 queries in turn where a consumer has 128 (kHalves: S^T and dP^T of
+//     all would leave too few registers beside dK and dV); dS^T goes to shared memory as dS (queries x keys), and
 //     each consumer computes its share of dQ = dS K, its own 64 x 64 tile over all the block's keys, and writes
 //     it into the block's fp32 dQ tile in shared memory (sDqAcc).
 //   the dQ warp (producer warp 2): per pair, once the consumers have written sDqAcc, adds its rows into the fp32
@@ -143,6 +144,12 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
     constexpr bool kIsDropout = (kVariant & kDropout) != 0;
     constexpr bool kIsSoftcap = (kVariant & kSoftcap) != 0;
     using Mod = ScoreMod<float, kVariant, kTanhExp2>;
+    // d = 128: dK's A operand (dS^T) read from sdS rather than registers, so that no register holds it once dS is
+    // stored, and the next pair's S^T and dP^T are issued while dK still runs (1.02-1.03x without a mask, H100,
+    // bench/RESULTS.md 2026-12-07 (x)). Plain scores only (with a softcap, ALiBi or dropout ptxas spilled or
+    // serialized the wgmmas), no mask of key blocks (causal 0.95-0.98x), not kDeterministic (0.97x at N = 16k)
+    constexpr bool kDkFromSmem = !kSplitDims && kHalves == 1 && !Mod::kTransform && !kIsDropout &&
+                                 !(kVariant & kLocal) && !kIsDeterministic;
     // The softcap's derivative 1 - t^2 kept from [5] to [7] as fp16 pairs (16 registers for 64 queries; fp32
     // spilled at d = 128): 5.5-7.5 instructions a score fewer than recovering it from P, a log2 among them. Not
     // with dropout, whose draws take those registers (spills)
@@ -440,6 +447,14 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
                 const float2 two = *reinterpret_cast<const float2*>(rows + 8 * ni + 2 * t);
                 return (e & 1) ? two.y : two.x;
             };
+            if constexpr (kDkFromSmem) {
+                if (half == 0) {
+                    // the last pair's dK has completed (it ran on under these): its stage's Q goes back
+                    wgmma_wait<2>();
+                    fence_operands(acc_dk);
+                    if (it > 0) mbarrier_arrive(q_empty((it - 1) % kStages));
+                }
+            }
             wgmma_wait<1>();  // S^T has completed (and the last half's dV); dP^T may still run
             fence_operands(acc_s);
 
@@ -532,7 +547,7 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
                     acc_dp[ni][e] = ds;
                 }
 
-            // [8] dK += dS^T Q (wgmma, dS^T from registers)
+            // [8] dK += dS^T Q (wgmma, dS^T from registers; kDkFromSmem: from sdS, once [9] has stored it there)
             // Its wgmma is issued in [9], behind dQ's, so that it runs under dQ's stores
 #pragma unroll
             for (int kq = 0; kq < kQH / 16; ++kq) acc_to_a<T>(a_frag[kf + kq], acc_dp[2 * kq], acc_dp[2 * kq + 1]);
@@ -603,9 +618,17 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
                                smem_desc(sK + (dq_col0 / 64) * kSlabKV + key * 128, kSlabKV, 1024), ks > 0);
         }
         wgmma_commit();
+        if constexpr (kDkFromSmem) {
+            // dS^T from this consumer's slab of sdS, read transposed (its 64 keys contiguous in each query's row)
 #pragma unroll
-        for (int kq = 0; kq < kQueries / 16; ++kq)
-            Wgmma<T, kDims>::rs(acc_dk, a_frag[kq], smem_desc(sQ(s) + kq * 16 * 128, kSlabQ, 1024));
+            for (int kq = 0; kq < kQueries / 16; ++kq)
+                Wgmma<T, kDims>::ss_t(acc_dk, smem_desc(ds_tile + consumer * kSlabQ + kq * 16 * 128, kSlabQ, 1024),
+                                      smem_desc(sQ(s) + kq * 16 * 128, kSlabQ, 1024), 1);
+        } else {
+#pragma unroll
+            for (int kq = 0; kq < kQueries / 16; ++kq)
+                Wgmma<T, kDims>::rs(acc_dk, a_frag[kq], smem_desc(sQ(s) + kq * 16 * 128, kSlabQ, 1024));
+        }
         wgmma_commit();
         wgmma_wait<1>();  // dV and dQ have completed (dK may still run): the stage's dO goes back to the producer
         fence_operands(acc_dq);
@@ -619,9 +642,15 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
                       acc_dq);
         fence_proxy_async();  // the stores, then the copy engine that reads them
         named_barrier_arrive(kDqFull + 4 * dq_buffer, kDqThreads);
-        wgmma_wait<0>();  // dK has completed: the stage's Q goes back to the producer
+        if constexpr (!kDkFromSmem) {
+            wgmma_wait<0>();  // dK has completed: the stage's Q goes back to the producer
+            fence_operands(acc_dk);
+            mbarrier_arrive(q_empty(s));
+        }
+    }
+    if constexpr (kDkFromSmem) {
+        wgmma_wait<0>();  // the last pair's dK
         fence_operands(acc_dk);
-        mbarrier_arrive(q_empty(s));
     }
 
     // [10] Store dK * softmax_scale and dV

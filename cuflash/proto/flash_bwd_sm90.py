@@ -424,7 +424,9 @@ def make_flash_bwd_sm90(cfg):
     @cuda.jit(device=True)
     def issue_dk(it, acc_dk, a_src, a_tile, sQ, key, d0, lane):
         # [8] dK += dS^T Q (wgmma, dS^T from registers)
-        # dS^T: a_src[a_tile], sA[1] (CUDA: registers), SPLIT_DIMS sdS[it & 1] (CUDA: sdS^T, issued in [9]),
+        # dS^T: a_src[a_tile], sA[1] (CUDA: registers; kDkFromSmem, d = 128 with plain scores and no mask of key
+        # blocks: sdS read transposed, and the next pair's S^T and dP^T issued while it runs), SPLIT_DIMS sdS[it & 1]
+        # (CUDA: sdS^T, issued in [9]),
         # every query of it; this consumer's dims from d0
         stage = it % STAGES
         for j in range(D_CPT):
