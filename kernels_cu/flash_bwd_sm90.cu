@@ -547,8 +547,8 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
                     acc_dp[ni][e] = ds;
                 }
 
-            // [8] dK += dS^T Q (wgmma, dS^T from registers; kDkFromSmem: from sdS, once [9] has stored it there)
-            // Its wgmma is issued in [9], behind dQ's, so that it runs under dQ's stores
+            // [8] dK += dS^T Q (wgmma, dS^T from registers)
+            // Its wgmma is issued in [9], behind dQ's, so that it runs under dQ's stores (kDkFromSmem: dS^T from sdS)
 #pragma unroll
             for (int kq = 0; kq < kQH / 16; ++kq) acc_to_a<T>(a_frag[kf + kq], acc_dp[2 * kq], acc_dp[2 * kq + 1]);
         }
