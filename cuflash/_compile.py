@@ -219,8 +219,8 @@ class PtxasReport:
     stack_bytes: int
     smem_static: int
     log: str
-    # ptxas serialized the wgmmas (C7512: too few registers to keep them in flight; C7515: other instructions write
-    # an in-flight wgmma's accumulators)
+    # ptxas serialized the wgmmas (any of its C75xx warnings that say so: C7512, too few registers to keep them in
+    # flight; C7515, other instructions write an in-flight wgmma's accumulators; C7520, NVRTC 12.9's varlen backward)
     serialized: bool = False
 
 

@@ -42,8 +42,8 @@ def test_compiles_without_spills(reports, arch, source):
 
 @pytest.mark.parametrize(("arch", "source"), [t for t in TARGETS if t[0] == "90a"])
 def test_wgmma_stays_asynchronous(reports, arch, source):
-    """ptxas serializes a kernel's wgmmas (warnings C7512, C7515) when it lacks the registers to keep them in flight
-    or other instructions write their accumulators meanwhile: correct, and far slower. No config may do that."""
+    """ptxas serializes a kernel's wgmmas (warnings C7512, C7515, C7520, ...) when it lacks the registers to keep them
+    in flight or other instructions write their accumulators meanwhile: correct, and far slower. No config may."""
     bad = [r.name for _, r in reports(arch, source) if r.serialized]
     assert not bad, f"sm_{arch}: wgmma serialized in\n" + "\n".join(bad)
 
