@@ -447,13 +447,11 @@ __global__ void __cluster_dims__((kVariant & kQuerySplit) ? 2 : 1, 1, 1) __launc
                 const float2 two = *reinterpret_cast<const float2*>(rows + 8 * ni + 2 * t);
                 return (e & 1) ? two.y : two.x;
             };
-            if constexpr (kDkFromSmem) {
-                if (half == 0) {
-                    // the last pair's dK has completed (it ran on under these): its stage's Q goes back
-                    wgmma_wait<2>();
-                    fence_operands(acc_dk);
-                    if (it > 0) mbarrier_arrive(q_empty((it - 1) % kStages));
-                }
+            if constexpr (kDkFromSmem) {  // (one half: kHalves == 1)
+                // the last pair's dK has completed (it ran on under these): its stage's Q goes back
+                wgmma_wait<2>();
+                fence_operands(acc_dk);
+                if (it > 0) mbarrier_arrive(q_empty((it - 1) % kStages));
             }
             wgmma_wait<1>();  // S^T has completed (and the last half's dV); dP^T may still run
             fence_operands(acc_s);
