@@ -1,9 +1,10 @@
 """The probe behind bench/RESULTS.md's Nsight Compute figures for the backward (2026-12-04 (k)): one backward
 call (bf16, B=2, N keys and queries, head dim D (default 128) and 1024 / D heads, random normal inputs; non-causal
 unless `causal` follows) in a profiler range, after three warm-up calls, by cuflash's mma.sync or Hopper family
-(`-det`: deterministic=True; `-softcap`: softcap=30) or by torch SDPA's FlashAttention-2 or cuDNN backend:
+(`-det`: deterministic=True; `-softcap`: softcap=30; `-dropout`: dropout_p=0.1) or by torch SDPA's
+FlashAttention-2 or cuDNN backend:
 
-    python3 bench/bwd_probe.py mma|sm90[-det][-softcap]|flash|cudnn N [D [causal]]
+    python3 bench/bwd_probe.py mma|sm90[-det][-softcap][-dropout]|flash|cudnn N [D [causal]]
     ncu --profile-from-start off -k 'regex:^flash_bwd$|seqk_parallel' \\
         --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio,smsp__inst_executed.sum' \\
         python3 bench/bwd_probe.py mma 4096
@@ -24,7 +25,8 @@ def profiled_call(which: str, n: int, d: int = 128, causal: bool = False):
     q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     family, *flags = which.split("-")
     if family in ("mma", "sm90"):
-        kw = {"causal": causal, "softcap": 30.0 if "softcap" in flags else 0.0}
+        kw = {"causal": causal, "softcap": 30.0 if "softcap" in flags else 0.0,
+              "dropout_p": 0.1 if "dropout" in flags else 0.0, "seed": 1}
         with cuflash.kernel_family(family):
             o, lse = cuflash.flash_attn_forward(q, k, v, **kw)
             run(lambda: cuflash.flash_attn_backward(do, q, k, v, o, lse, deterministic="det" in flags, **kw))
