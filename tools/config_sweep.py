@@ -2,7 +2,7 @@
 sample (config.all_configs: no variant, causal, and every variant at once), and prints ptxas' spills and wgmma
 serialization for each. Register pressure is not monotonic in the variant bits, so the sample does not bound the
 rest (bench/RESULTS.md, 2026-12-07 (y)). CPU only (NVRTC from cuda-bindings); the Hopper family is about 570
-configs a dtype, the mma.sync family about 1,400 (sm_80), at 2-10 s each.
+configs a dtype, the mma.sync family about 1,540 (sm_80), at 2-10 s each.
 
     python3 tools/config_sweep.py sm90|mma [DTYPE [JOBS]]
 
@@ -16,30 +16,32 @@ from concurrent.futures import ProcessPoolExecutor
 
 from cuflash import _compile, config as C
 
-FORWARD_BITS = (C.LOCAL, C.WINDOW, C.SOFTCAP, C.ALIBI, C.DROPOUT, C.VARLEN, C.SEQUSED, C.PAGED)
-BACKWARD_BITS = (C.LOCAL, C.WINDOW, C.SOFTCAP, C.ALIBI, C.DROPOUT, C.VARLEN, C.DETERMINISTIC)
+FORWARD_FLAGS = ("local", "window", "softcap", "alibi", "dropout", "varlen", "seqused", "paged", "bounded")
+BACKWARD_FLAGS = ("local", "window", "softcap", "alibi", "dropout", "varlen", "deterministic")
 
 
-def variants(bits):
-    """Every combination a call can ask for: a window only with LOCAL, pages only with a KV cache's counts, a KV
-    cache without dropout or varlen (api.py rejects those)."""
-    for n in range(len(bits) + 1):
-        for combo in itertools.combinations(bits, n):
-            v = sum(combo)
-            if (v & C.WINDOW and not v & C.LOCAL) or (v & C.PAGED and not v & C.SEQUSED) \
-                    or (v & C.SEQUSED and v & (C.DROPOUT | C.VARLEN)):
-                continue
-            yield v
+def variants(flags):
+    """Every variant a call can ask for, by config.variant_bits (its implications: a window is local, pages have
+    counts, bounded is a softcap); a KV cache takes no dropout or varlen (api.py rejects those)."""
+    out = set()
+    for on in itertools.product((False, True), repeat=len(flags)):
+        kw = dict(zip(flags, on))
+        if kw.get("bounded") and kw.get("alibi"):
+            continue  # variant_bits refuses it: ALiBi's bias has no lower bound
+        v = C.variant_bits(**kw)
+        if not (v & C.SEQUSED and v & (C.DROPOUT | C.VARLEN)):
+            out.add(v)
+    return sorted(out)
 
 
 def configs(family: str, dtype: str) -> list:
     cc = 90 if family == "sm90" else 0
     out = set()
     for d in C.HEAD_DIMS:
-        for v in variants(FORWARD_BITS):
+        for v in variants(FORWARD_FLAGS):
             for keys in (0, *C._KEY_STEPS):  # _TILES_BY_KEYS' tiles
                 out.add(C.choose_forward(dtype, d, v, seqlen_k=keys, compute_capability=cc))
-        for v in variants(BACKWARD_BITS):
+        for v in variants(BACKWARD_FLAGS):
             for small_grid in ({}, {"key_slabs": 1, "seqlen_k": 1, "sms": 1 << 20}):  # QUERY_SPLIT, small tiles
                 out.add(C.choose_backward(dtype, d, v, compute_capability=cc, **small_grid)[1])
     return sorted((c for c in out if c.family == family),
