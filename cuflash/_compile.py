@@ -113,6 +113,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("CUFLASH_CACHE_DIR") or Path.home() / ".cache" / "cuflash")
 
 
+def cubin_path(key) -> Path:
+    """The disk-cache file of a target build, key (source hash, names, arch): keyed by NVRTC's version too, as
+    CuPy's own cache is, so that another NVRTC (an upgrade) builds its own binary rather than loading the old one."""
+    digest = hashlib.sha256(repr((key, compile_options(), nvrtc_version())).encode()).hexdigest()[:24]
+    return cache_dir() / f"{digest}.cubin"
+
+
 def target_module(filename: str, names: tuple[str, ...], arch: str):
     """(cupy.RawModule, {name: lowered name}) of names from kernels_cu/<filename> built for sm_<arch>."""
     import cupy
@@ -121,8 +128,7 @@ def target_module(filename: str, names: tuple[str, ...], arch: str):
     with _lock:
         hit = _modules.get(key)
         if hit is None:
-            digest = hashlib.sha256(repr((key, compile_options())).encode()).hexdigest()[:24]
-            path = cache_dir() / f"{digest}.cubin"
+            path = cubin_path(key)
             names_path = path.with_suffix(".json")
             if not (path.is_file() and names_path.is_file()):
                 _, lowered, cubin = _nvrtc(filename, list(names), arch)
@@ -259,13 +265,19 @@ def gate_options(arch) -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def nvrtc_major() -> int:
-    """The major version of cuda-bindings' NVRTC, which builds the sm_90a kernels; 0 where it is missing."""
+def nvrtc_version() -> tuple[int, int]:
+    """(major, minor) of cuda-bindings' NVRTC, which builds the sm_90a kernels; (0, 0) where it is missing."""
     try:
         from cuda.bindings import nvrtc
     except ImportError:
-        return 0
-    return int(_check(nvrtc.nvrtcVersion())[0])
+        return 0, 0
+    major, minor = _check(nvrtc.nvrtcVersion())
+    return int(major), int(minor)
+
+
+def nvrtc_major() -> int:
+    """The major version of cuda-bindings' NVRTC; 0 where it is missing."""
+    return nvrtc_version()[0]
 
 
 def nvrtc_compile(filename: str, names: list[str], arch) -> tuple[str, dict[str, str]]:

@@ -70,3 +70,17 @@ def test_gate_compiles_with_the_runtime_options(monkeypatch, lineinfo, arch):
     gate = seen[0]
     assert tuple(o for o in gate if not o.startswith(GATE_ONLY_PREFIXES)) == runtime
     assert f"-arch=sm_{arch}" in gate
+
+
+def test_cubin_cache_keys_on_nvrtc_version(monkeypatch, tmp_path):
+    """A Hopper kernel's cached cubin belongs to the NVRTC that built it: another version (an upgrade) builds its own
+    file rather than loading that one; the same version finds the same file."""
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
+    key = ("0" * 64, ("cuflash::flash_fwd_sm90<...>",), "90a")
+    paths = {}
+    for version in ((13, 0), (13, 5), (13, 0)):
+        monkeypatch.setattr(_compile, "nvrtc_version", lambda v=version: v)
+        paths.setdefault(version, set()).add(_compile.cubin_path(key))
+    assert all(len(p) == 1 for p in paths.values())
+    assert paths[13, 0] != paths[13, 5]
+    assert all(p.parent == tmp_path for ps in paths.values() for p in ps)
