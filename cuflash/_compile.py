@@ -177,13 +177,13 @@ def _check_smem(cfg: KernelConfig) -> None:
 
 def precompile(configs: list[KernelConfig], jobs: int = 1, progress=None) -> int:
     """Compile configs into CuPy's disk cache, `jobs` processes at a time. Returns how many.
-    Configs that need more shared memory than this device grants, or another target, are left out.
+    Configs that need more shared memory than this device grants, or that it never runs (runs_on), are left out.
     `progress(cfg, done, total)`, if given, is called once per config as it finishes compiling."""
     import cupy
 
     dev = cupy.cuda.Device()
     limit = dev.attributes["MaxSharedMemoryPerBlockOptin"]
-    configs = [c for c in configs if c.smem_bytes <= limit and (c.arch is None or c.arch[:2] == dev.compute_capability)]
+    configs = [c for c in configs if c.smem_bytes <= limit and c.runs_on(int(dev.compute_capability))]
     total = len(configs)
     if jobs <= 1:
         for done, cfg in enumerate(configs, 1):

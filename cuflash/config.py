@@ -147,6 +147,14 @@ class KernelConfig:
         from cuda-bindings); "90", WIDE_SMEM (sm_90's shared memory; built by CuPy, as the others)."""
         return "90a" if self.family == "sm90" else "90" if self.variant & WIDE_SMEM else None
 
+    def runs_on(self, compute_capability: int) -> bool:
+        """Can the dispatcher return this config on a GPU of that compute capability? A config for one target (arch)
+        runs there alone; a flash_bwd config left one buffer of Q and dO by sm_80's shared memory runs everywhere but
+        on 9.0, where choose_backward gives it WIDE_SMEM instead (the compile gate builds neither for the other)."""
+        if self.arch:
+            return compute_capability == int(self.arch[:2])
+        return not (compute_capability == 90 and self.kernel == "flash_bwd" and flash_bwd_layout(self)[1] == 1)
+
     @property
     def threads(self) -> int:
         return 32 * self.warps

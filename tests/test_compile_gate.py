@@ -13,7 +13,7 @@ pytest.importorskip("cuda.bindings")
 
 ARCHS = (80, 90)
 # (target, source file): every config for its own target (KernelConfig.arch) or for each of ARCHS
-TARGETS = sorted({(str(a), c.source) for c in config.all_configs() for a in ((c.arch,) if c.arch else ARCHS)})
+TARGETS = sorted({(c.arch or str(a), c.source) for c in config.all_configs() for a in ARCHS if c.runs_on(a)})
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,8 @@ def reports():
 
     def get(arch, source):
         if (arch, source) not in cache:
-            cfgs = [c for c in config.all_configs() if c.source == source and str(c.arch or arch) == arch]
+            cfgs = [c for c in config.all_configs()
+                    if c.source == source and (c.arch or arch) == arch and c.runs_on(int(arch[:2]))]
             cache[arch, source] = list(zip(cfgs, _compile.ptxas_reports(cfgs, arch)))
         return cache[arch, source]
 

@@ -304,6 +304,11 @@ def test_wide_smem_backward_on_hopper():
     for d in (32, 64, 128, 192):  # two buffers within sm_80's already: the same config on both
         assert main(d) == main(d, cc=80) and config.flash_bwd_layout(main(d))[1] == 2
     assert main(256, config.WIDE_SMEM, cc=80).variant == 0
+    # runs_on: where the dispatcher can return each (the compile gate builds a config for those targets alone)
+    for d in (224, 256, 128):
+        wide, narrow = main(d), main(d, cc=80)
+        assert narrow.runs_on(80) and narrow.runs_on(86) and narrow.runs_on(90) == (wide == narrow)
+        assert wide.runs_on(90) and wide.runs_on(80) == (wide == narrow)
     assert config.choose_backward("bfloat16", 256, 0, compute_capability=90)[1].kernel == "flash_bwd_sm90"
     assert config.choose_forward("bfloat16", 256, config.WIDE_SMEM, compute_capability=90).variant == 0
 
@@ -446,3 +451,18 @@ def test_dq_swizzle_matches_the_kernels():
 ])
 def test_decode_splits(tiles, key_blocks, sms, page_size, want):
     assert config.decode_splits(tiles, key_blocks, sms, page_size) == want
+
+
+def test_runs_on_is_where_the_dispatcher_returns_a_config():
+    """Every gated config runs on some target; the Hopper kernels and WIDE_SMEM on 9.0 alone; a flash_bwd config the
+    dispatcher replaces on 9.0 (one buffer in sm_80's shared memory) everywhere else."""
+    for c in config.all_configs():
+        on = {cc for cc in (80, 86, 89, 90) if c.runs_on(cc)}
+        if c.arch:
+            assert on == {90}, c
+        elif c.kernel == "flash_bwd" and config.flash_bwd_layout(c)[1] == 1:
+            assert on == {80, 86, 89}, c
+            wide = config.choose_backward(c.dtype, c.head_dim, c.variant, compute_capability=90, family="mma")[1]
+            assert wide != c and wide.variant == c.variant | config.WIDE_SMEM
+        else:
+            assert on == {80, 86, 89, 90}, c
