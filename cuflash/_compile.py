@@ -318,22 +318,37 @@ _SMEM = re.compile(r"(\d+) bytes smem")
 _SERIALIZED = re.compile(r"\(C75\d\d\)[^\n]*wgmma\.mma_async instructions are serialized[^\n]*function '(\S+)'")
 
 
-def ptxas_reports(configs: list[KernelConfig], arch) -> list[PtxasReport]:
-    """ptxas resource usage of each config, compiled for sm_<arch> (grouped by source file)."""
-    by_file: dict[str, list[KernelConfig]] = {}
+def ptxas_reports(configs: list[KernelConfig], arch, jobs: int = 1) -> list[PtxasReport]:
+    """ptxas resource usage of each config, compiled for sm_<arch>: one NVRTC program per source file, or with
+    jobs > 1 one per share of its configs, `jobs` processes at a time (ptxas runs on one core a program)."""
+    by_file: dict[str, list[str]] = {}
     for c in configs:
-        by_file.setdefault(c.source, []).append(c)
+        by_file.setdefault(c.source, []).append(c.template_name)
+    programs = []
+    for filename, names in by_file.items():
+        shares = max(1, min(jobs, len(names)))
+        programs += [(filename, names[i::shares]) for i in range(shares)]  # every jobs-th: heavy ones spread
+    if jobs > 1 and len(programs) > 1:
+        import concurrent.futures
+
+        with concurrent.futures.ProcessPoolExecutor(jobs) as pool:
+            reports = list(pool.map(_program_reports, *zip(*programs), [arch] * len(programs)))
+    else:
+        reports = [_program_reports(filename, names, arch) for filename, names in programs]
+    by_name = {r.name: r for rs in reports for r in rs}
+    return [by_name[c.template_name] for c in configs]
+
+
+def _program_reports(filename: str, names: list[str], arch) -> list[PtxasReport]:
+    log, lowered = nvrtc_compile(filename, names, arch)
+    sections = _split_log(log)
+    serialized = set(_SERIALIZED.findall(log))
     out = []
-    for filename, cfgs in by_file.items():
-        names = [c.template_name for c in cfgs]
-        log, lowered = nvrtc_compile(filename, names, arch)
-        sections = _split_log(log)
-        serialized = set(_SERIALIZED.findall(log))
-        for n in names:
-            text = sections.get(lowered[n])
-            if text is None:
-                raise RuntimeError(f"no ptxas report for {n} in:\n{log}")
-            out.append(dataclasses.replace(_parse(n, arch, text), serialized=lowered[n] in serialized))
+    for n in names:
+        text = sections.get(lowered[n])
+        if text is None:
+            raise RuntimeError(f"no ptxas report for {n} in:\n{log}")
+        out.append(dataclasses.replace(_parse(n, arch, text), serialized=lowered[n] in serialized))
     return out
 
 

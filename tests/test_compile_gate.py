@@ -5,6 +5,9 @@ limit. all_configs() is a sample of what the heuristics can return (per dtype an
 every variant at once, and some KV-cache and tile sets); tools/config_sweep.py compiles all of it (bf16 under
 NVRTC 13.0 on 2026-12-07: 19 configs outside the sample spill; bench/RESULTS.md, 2026-12-07 (y))."""
 
+import dataclasses
+import os
+
 import pytest
 
 from cuflash import _compile, config
@@ -24,7 +27,7 @@ def reports():
         if (arch, source) not in cache:
             cfgs = [c for c in config.all_configs()
                     if c.source == source and (c.arch or arch) == arch and c.runs_on(int(arch[:2]))]
-            cache[arch, source] = list(zip(cfgs, _compile.ptxas_reports(cfgs, arch)))
+            cache[arch, source] = list(zip(cfgs, _compile.ptxas_reports(cfgs, arch, jobs=os.cpu_count() or 1)))
         return cache[arch, source]
 
     return get
@@ -66,6 +69,17 @@ def test_serialization_warnings_are_read(monkeypatch):
     monkeypatch.setattr(_compile, "nvrtc_compile", lambda filename, names_, arch: (log, names))
     cfgs = [type("Cfg", (), {"source": "k.cu", "template_name": n})() for n in names]
     assert [r.serialized for r in _compile.ptxas_reports(cfgs, "90a")] == [False, True, True]
+
+
+def test_programs_in_shares_report_as_one():
+    """ptxas_reports with jobs > 1 (one NVRTC program per share of a file's configs, in processes) gives what one
+    program per file gives, in the configs' order."""
+    cfgs = [c for c in config.all_configs() if c.kernel in ("kvcache_append", "flash_bwd_preprocess")][:7]
+    assert len({c.source for c in cfgs}) == 2
+    def without_log(reports):  # (the log holds compile times)
+        return [dataclasses.replace(r, log="") for r in reports]
+
+    assert without_log(_compile.ptxas_reports(cfgs, "80", jobs=3)) == without_log(_compile.ptxas_reports(cfgs, "80"))
 
 
 @pytest.mark.parametrize(("arch", "source"), TARGETS)
