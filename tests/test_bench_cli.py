@@ -12,6 +12,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from cuflash import _compile
 from cuflash.benchmark import SUITES, command, report, timing
 from cuflash.benchmark.command import bench
 from cuflash.benchmark.suites import Settings, cell_count, kernel_configs, suite_cases, suite_params, total_steps
@@ -313,6 +314,10 @@ def test_schema_validator_accepts_and_rejects():
     assert doc["meta"]["command"] == "cuflash bench"
     meta = report.make_meta({}, "cpu", "x", argv=["/x/cuflash/__main__.py", "bench", "--json", "a b.json"])
     assert meta["command"] == "python3 -m cuflash bench --json 'a b.json'"
+    # a GPU run names the NVRTCs that built its kernels (cuda-bindings' for the Hopper ones, CuPy's for the rest)
+    major, minor = _compile.nvrtc_version()
+    assert doc["meta"]["versions"]["nvrtc"] == (f"{major}.{minor}" if major else None)
+    assert "cupy_nvrtc" in doc["meta"]["versions"] and "nvrtc" not in meta["versions"]
 
     def broken(fn):
         d = copy.deepcopy(doc)

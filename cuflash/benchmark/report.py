@@ -26,7 +26,8 @@ meta (all keys present; a value is null where it cannot be known)::
     gpu               object | null  name, compute_capability ("9.0"), multiprocessors, l2_bytes,
                                      memory_bytes, driver_version (NVIDIA driver, from NVML),
                                      cuda_driver, cuda_runtime
-    versions          object         python, numpy, cupy, torch, ml_dtypes, matplotlib (null if absent)
+    versions          object         python, numpy, cupy, torch, ml_dtypes, matplotlib (null if absent); on a
+                                     GPU nvrtc (cuda-bindings', the Hopper kernels) and cupy_nvrtc (the rest)
     notes             [str]          anything a reader must know (fallbacks taken, precompile time)
 
 suites[name] (name in seqlen, headdim, memory, launch, accuracy, energy, variants, train, decode)::
@@ -419,6 +420,24 @@ def _version(mod: str) -> str | None:
     return getattr(sys.modules[mod], "__version__", None)
 
 
+def nvrtc_versions() -> dict:
+    """The NVRTCs that built the kernels: CuPy's (the mma.sync and SIMT kernels), cuda-bindings' (the Hopper ones).
+    Another NVRTC is another binary: its registers, its spills, its speed."""
+    from .. import _compile
+
+    out = {"nvrtc": None, "cupy_nvrtc": None}
+    major, minor = _compile.nvrtc_version()
+    if major:
+        out["nvrtc"] = f"{major}.{minor}"
+    try:
+        import cupy
+
+        out["cupy_nvrtc"] = "{}.{}".format(*cupy.cuda.nvrtc.getVersion())
+    except Exception:
+        pass
+    return out
+
+
 def git_commit() -> str | None:
     here = Path(__file__).resolve().parent
     try:
@@ -482,7 +501,7 @@ def make_meta(options: dict, platform: str, platform_reason: str | None, argv: l
         "gpu": gpu_meta() if platform == "gpu" else None,
         "versions": {"python": _platform.python_version(), "numpy": _version("numpy"), "cupy": _version("cupy"),
                      "torch": _version("torch") if platform == "gpu" else None, "ml_dtypes": _version("ml_dtypes"),
-                     "matplotlib": _version("matplotlib")},
+                     "matplotlib": _version("matplotlib"), **(nvrtc_versions() if platform == "gpu" else {})},
         "notes": list(notes or []),
     }
 
