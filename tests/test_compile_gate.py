@@ -1,9 +1,10 @@
-"""Compile gate: the kernel configs of config.all_configs() compile with NVRTC (cuda-bindings, no GPU or driver
-needed) for sm_80 and sm_90 (a config built for one target, KernelConfig.arch, for that alone: the Hopper kernels
-for sm_90a, WIDE_SMEM for sm_90), with no register spills, no stack frame, and shared memory within the device's
-limit. all_configs() is a sample of what the heuristics can return (per dtype and head dim: no variant, causal,
-every variant at once, and some KV-cache and tile sets); tools/config_sweep.py compiles all of it (bf16 under
-NVRTC 13.0 on 2026-12-07: 19 configs outside the sample spill; bench/RESULTS.md, 2026-12-07 (y))."""
+"""Compile gate: the kernel configs of config.all_configs() compile with NVRTC (cuda-bindings, no GPU or driver needed)
+for sm_80 and sm_90 where they run (KernelConfig.runs_on: a config built for one target, KernelConfig.arch, for that
+alone: the Hopper kernels for sm_90a, WIDE_SMEM for sm_90; the flash_bwd configs those replace on 9.0 for sm_80
+alone), with no register spills, no stack frame, and shared memory within the device's limit. all_configs() is a
+sample of what the heuristics can return (per dtype and head dim: no variant, causal, every variant at once, and
+some KV-cache and tile sets); tools/config_sweep.py compiles all of it (bf16 on 2026-12-07: 19 configs outside the
+sample spill under NVRTC 13.0, 9 of the Hopper ones under 13.5; bench/RESULTS.md, 2026-12-07 (y) and (z))."""
 
 import dataclasses
 import os
