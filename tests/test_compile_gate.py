@@ -77,6 +77,7 @@ def test_programs_in_shares_report_as_one():
     program per file gives, in the configs' order."""
     cfgs = [c for c in config.all_configs() if c.kernel in ("kvcache_append", "flash_bwd_preprocess")][:7]
     assert len({c.source for c in cfgs}) == 2
+
     def without_log(reports):  # (the log holds compile times)
         return [dataclasses.replace(r, log="") for r in reports]
 
