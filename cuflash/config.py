@@ -153,7 +153,7 @@ class KernelConfig:
         on 9.0, where choose_backward gives it WIDE_SMEM instead (the compile gate builds neither for the other)."""
         if self.arch:
             return compute_capability == int(self.arch[:2])
-        return not (compute_capability == 90 and self.kernel == "flash_bwd" and flash_bwd_layout(self)[1] == 1)
+        return not takes_wide_smem(self, compute_capability)
 
     @property
     def threads(self) -> int:
@@ -381,6 +381,13 @@ def flash_bwd_layout(cfg: KernelConfig) -> tuple[int, int]:
     return fixed + stages * stage, stages
 
 
+def takes_wide_smem(cfg: KernelConfig, compute_capability: int) -> bool:
+    """Does choose_backward give this flash_bwd config WIDE_SMEM on that compute capability? On 9.0, where sm_80's
+    shared memory leaves it one buffer of Q and dO (d >= 224)."""
+    return (compute_capability == 90 and cfg.kernel == "flash_bwd" and not cfg.variant & WIDE_SMEM
+            and flash_bwd_layout(cfg)[1] == 1)
+
+
 def choose_forward(dtype, head_dim: int, variant: int, *, seqlen_k: int = 0, compute_capability: int = 0,
                    family: str | None = None) -> KernelConfig:
     """The forward config of a call; variant: variant_bits(...) (LOCAL alone for a causal call).
@@ -445,7 +452,7 @@ def choose_backward(dtype, head_dim: int, variant: int, *, key_slabs: int = 0, s
     small = _TILES_SMALL_GRID["flash_bwd"].get(main.head_dim)
     if small and not variant & HEAVY and key_slabs * ceil_div(seqlen_k, main.block_n) < sms // 2:
         main = dataclasses.replace(main, block_m=small[0], block_n=small[1], warps=small[2])
-    if compute_capability == 90 and flash_bwd_layout(main)[1] == 1:
+    if takes_wide_smem(main, compute_capability):
         main = dataclasses.replace(main, variant=variant | WIDE_SMEM)
     return pre, main, post
 
