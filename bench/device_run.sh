@@ -2,7 +2,7 @@
 # One call on the lent GPU machine: compile every kernel config once (in parallel), then the stages
 # asked for, in order, each capped in time and logging under $OUT (what finished comes back even if
 # the call runs out). Usage, from the repository root, after installing the carried wheels:
-#   bash bench/device_run.sh [test] [bench] [sanitize] [memory]
+#   bash bench/device_run.sh [test] [targets] [bench] [sanitize] [memory]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
@@ -47,11 +47,30 @@ gpu_suite() {
   rm -rf "$logs"
   return "$status"
 }
+# The issues' target cells: each family's seqlen suite and head-dim sweep against its baselines (the Hopper family
+# against cuDNN and FlashAttention-2, the mma.sync family against FlashAttention-2), bf16 and fp16, causal and not,
+# then each family's deterministic ratio (bench/deterministic.py): bench-FAMILY-DTYPE-MASK.json and det-FAMILY.json,
+# each with its log, under $OUT.
+targets() {
+  local family dtype mask backends status=0
+  for family in sm90 mma; do
+    backends=cuflash,torch-flash; [ "$family" = sm90 ] && backends+=,torch-cudnn
+    for dtype in bf16 fp16; do for mask in causal no-causal; do
+      local name=$OUT/bench-$family-$dtype-$mask
+      timeout 60 python3 -m cuflash bench --family "$family" --suite seqlen,headdim --dtype "$dtype" "--$mask" \
+        --max-suite-seconds 45 --backends "$backends" --json "$name.json" > "$name.log" 2>&1 || status=$?
+    done; done
+    timeout 40 python3 bench/deterministic.py "$OUT/det-$family.json" "$family" > "$OUT/det-$family.log" 2>&1 \
+      || status=$?
+  done
+  return "$status"
+}
 rc=0
 for stage in "$@"; do
   t0=$SECONDS
   case "$stage" in
     test) gpu_suite ;;
+    targets) targets ;;
     bench) timeout "${BENCH_SECONDS:-200}" python3 -m cuflash bench --suite all --max-seconds "${BENCH_CAP:-170}" \
             --max-suite-seconds 60 --json "$OUT/bench.json" --plot "$OUT/bench.png" > "$OUT/bench.log" 2>&1 ;;
     sanitize) SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-60} timeout 150 bash bench/sanitize.sh "$OUT/sanitizer.log" ;;

@@ -82,3 +82,28 @@ def test_ab_runs_each_stage_on_both_trees_and_packs_the_outputs(tmp_path):
     for stage in ("causal", "headdim", "decode"):
         assert logs[f"{stage}-new.log"].rstrip().endswith("--family mma --backends cuflash,torch-flash")
     assert "--family" not in logs["det-new.log"] and "--family" not in logs["compile-new.log"]
+
+
+def test_targets_stage_runs_every_family_dtype_and_mask(tmp_path):
+    """bench/device_run.sh targets: each family's seqlen suite and head-dim sweep for bf16 and fp16, causal and
+    not, against its baselines, and its deterministic ratio, each into its own JSON and log; a failing run fails
+    the stage."""
+    fake = tmp_path / "bin" / "python3"
+    fake.parent.mkdir()
+    # echoes its arguments; `bench/deterministic.py ... mma` fails, as one crashed run would
+    fake.write_text('#!/bin/sh\necho "args=$*"\ncase "$*" in *deterministic.py*mma) exit 3 ;; esac\nexit 0\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "out"
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "OUT": str(out)}
+    run = subprocess.run(["bash", "bench/device_run.sh", "targets"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode != 0 and "stage targets: exit 3" in (out / "gpu.txt").read_text()
+    for family, baselines in (("sm90", "cuflash,torch-flash,torch-cudnn"), ("mma", "cuflash,torch-flash")):
+        for dtype in ("bf16", "fp16"):
+            for mask in ("causal", "no-causal"):
+                name = out / f"bench-{family}-{dtype}-{mask}"
+                args = (name.with_suffix(".log")).read_text()
+                assert f"--family {family} --suite seqlen,headdim --dtype {dtype} --{mask} " in args
+                assert f"--backends {baselines} --json {name}.json" in args
+        det = (out / f"det-{family}.log").read_text().strip()
+        assert det == f"args=bench/deterministic.py {out}/det-{family}.json {family}"
