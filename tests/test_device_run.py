@@ -12,13 +12,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run_test_stage(tmp_path, pytest_script: str, test_seconds: int, timeout: int):
-    """bench/device_run.sh test, with a stand-in python3 that runs pytest_script for pytest (exits 0 otherwise)."""
+def _stand_in_python(tmp_path, script: str) -> Path:
+    """A python3 at tmp_path/bin running the shell script (its arguments in $*); returns its folder, for PATH."""
     fake = tmp_path / "bin" / "python3"
     fake.parent.mkdir()
-    fake.write_text(f'#!/bin/sh\ncase "$*" in *pytest*) {pytest_script} ;; esac\nexit 0\n')
+    fake.write_text(f"#!/bin/sh\n{script}")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+    return fake.parent
+
+
+def _run_test_stage(tmp_path, pytest_script: str, test_seconds: int, timeout: int):
+    """bench/device_run.sh test, with a stand-in python3 that runs pytest_script for pytest (exits 0 otherwise)."""
+    bin_dir = _stand_in_python(tmp_path, f'case "$*" in *pytest*) {pytest_script} ;; esac\nexit 0\n')
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
            "TEST_SECONDS": str(test_seconds)}
     run = subprocess.run(["bash", "bench/device_run.sh", "test"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=timeout)
@@ -59,13 +65,10 @@ def test_ab_runs_each_stage_on_both_trees_and_packs_the_outputs(tmp_path):
     outputs come back in one tarball (the device tool returns at most 8 files)."""
     import tarfile
 
-    fake = tmp_path / "bin" / "python3"
-    fake.parent.mkdir()
-    fake.write_text('#!/bin/sh\necho "cwd=$PWD path=$PYTHONPATH args=$*"\n')
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    bin_dir = _stand_in_python(tmp_path, 'echo "cwd=$PWD path=$PYTHONPATH args=$*"\n')
     old = tmp_path / "old"
     old.mkdir()
-    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
            "OLD": str(old), "PYTHONPATH": "/site", "BENCH_ARGS": "--family mma --backends cuflash,torch-flash"}
     run = subprocess.run(["bash", "bench/ab.sh", "causal", "headdim", "det", "decode", "det-mma"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=60)
@@ -88,13 +91,10 @@ def test_targets_stage_runs_every_family_dtype_and_mask(tmp_path):
     """bench/device_run.sh targets: each family's seqlen suite and head-dim sweep for bf16 and fp16, causal and
     not, against its baselines, and its deterministic ratio, each into its own JSON and log; a failing run fails
     the stage."""
-    fake = tmp_path / "bin" / "python3"
-    fake.parent.mkdir()
     # echoes its arguments; `bench/deterministic.py ... mma` fails, as one crashed run would
-    fake.write_text('#!/bin/sh\necho "args=$*"\ncase "$*" in *deterministic.py*mma) exit 3 ;; esac\nexit 0\n')
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    bin_dir = _stand_in_python(tmp_path, 'echo "args=$*"\ncase "$*" in *deterministic.py*mma) exit 3 ;; esac\nexit 0\n')
     out = tmp_path / "out"
-    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "OUT": str(out)}
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out)}
     run = subprocess.run(["bash", "bench/device_run.sh", "targets"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=60)
     assert run.returncode != 0 and "stage targets: exit 3" in (out / "gpu.txt").read_text()
